@@ -1,0 +1,1 @@
+"""Payload codecs: how pseudo-gradients are compressed for the wire."""

@@ -1,0 +1,1 @@
+"""Training tasks: model factory, data and loss for one kind of run."""
