@@ -1,0 +1,407 @@
+"""Typed protocol messages, their canonical bodies and Ed25519 envelopes.
+
+Each message is a frozen dataclass with a ``KIND`` (its signing domain) and a
+``SCHEMA`` that :meth:`Message.from_body` enforces field by field. On the wire
+a signed message is the canonical JSON object
+
+    {"kind": KIND, "body": {...}, "signer": <ed25519 hex>, "signature": <hex>}
+
+and the signature covers ``compute_signing_root(KIND, body.run_id,
+body.round, canonical(body))``. specs/protocol.md lists every field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+from . import fields as f
+from .encoding import decode_canonical, encode_canonical
+from .errors import EncodingError, SignatureError
+from .identity import Identity
+from .signing import compute_signing_root, verify_ed25519
+
+RUN_ID_PATTERN = r"[a-z0-9][a-z0-9-]{2,63}"
+MAX_ROUND = 1 << 40
+MAX_TRAIL = 4096
+MAX_WORKERS_PER_ROUND = 10_000
+TIME = f.integer(0, 1 << 40)
+
+
+class Message:
+    """Base of every typed message: canonical body, schema check, signing root."""
+
+    KIND: ClassVar[str]
+    SCHEMA: ClassVar[dict[str, f.Checker]]
+
+    run_id: str
+    round: int
+
+    def to_body(self) -> dict[str, Any]:
+        return {fld.name: getattr(self, fld.name) for fld in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    def body_bytes(self) -> bytes:
+        return encode_canonical(self.to_body())
+
+    def signing_root(self) -> bytes:
+        return compute_signing_root(self.KIND, self.run_id, self.round, self.body_bytes())
+
+    @classmethod
+    def from_body(cls, body: Any) -> Any:
+        checked = f.record(cls.SCHEMA)(body, cls.KIND)
+        return cls(**checked)
+
+
+M = TypeVar("M", bound=Message)
+
+
+@dataclass(frozen=True)
+class Signed(Generic[M]):
+    """A message with its signer's Ed25519 public key and signature (hex)."""
+
+    message: M
+    signer: str
+    signature: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "kind": self.message.KIND,
+            "body": self.message.to_body(),
+            "signer": self.signer,
+            "signature": self.signature,
+        }
+
+    def encode(self) -> bytes:
+        return encode_canonical(self.to_wire())
+
+    @property
+    def digest(self) -> str:
+        """sha256 (hex) of the canonical signed encoding: the message's identity."""
+        return hashlib.sha256(self.encode()).hexdigest()
+
+
+def sign(identity: Identity, message: M) -> Signed[M]:
+    """Sign ``message`` with the identity's Ed25519 key in the message's domain."""
+    signature = identity.sign_ed25519(message.signing_root())
+    return Signed(message, identity.public_key.hex(), signature.hex())
+
+
+_WIRE_SCHEMA = {
+    "kind": f.string(32),
+    "body": lambda value, path: value,
+    "signer": f.PUBKEY,
+    "signature": f.SIGNATURE,
+}
+
+
+def open_signed(wire: Any, cls: type[M]) -> Signed[M]:
+    """Validate a received signed message of type ``cls`` and verify its signature.
+
+    Raises :class:`EncodingError` for malformed input and
+    :class:`SignatureError` when the signature does not verify.
+    """
+    checked = f.record(_WIRE_SCHEMA)(wire, "message")
+    if checked["kind"] != cls.KIND:
+        raise EncodingError(f"expected a {cls.KIND} message, got {checked['kind']!r}")
+    message = cls.from_body(checked["body"])
+    if not verify_ed25519(
+        bytes.fromhex(checked["signer"]),
+        message.signing_root(),
+        bytes.fromhex(checked["signature"]),
+    ):
+        raise SignatureError(f"{cls.KIND} signature does not verify for {checked['signer']}")
+    return Signed(message, checked["signer"], checked["signature"])
+
+
+def decode_signed(data: bytes, cls: type[M], *, max_bytes: int = 1 << 20) -> Signed[M]:
+    """Canonical bytes to a verified signed message."""
+    return open_signed(decode_canonical(data, max_bytes=max_bytes), cls)
+
+
+# --------------------------------------------------------------------------- run spec
+
+VALIDATOR_INFO = f.record({"ed25519": f.PUBKEY, "bls": f.BLS_PUBKEY, "bls_pop": f.BLS_SIGNATURE})
+NAMED_PARAMS = f.record({"name": f.string(200), "params": f.free_params()})
+INNER = f.record(
+    {
+        "steps": f.integer(1, 100_000),
+        "batch_size": f.integer(1, 65_536),
+        "lr": f.number(0.0, 10.0),
+        "beta1": f.number(0.0, 1.0),
+        "beta2": f.number(0.0, 1.0),
+        "eps": f.number(0.0, 1.0),
+        "weight_decay": f.number(0.0, 10.0),
+        "grad_clip": f.optional(f.number(0.0, 1e6)),
+        "trail_every": f.integer(1, 100_000),
+    }
+)
+OUTER = f.record(
+    {"lr": f.number(0.0, 100.0), "momentum": f.number(0.0, 1.0), "nesterov": f.boolean}
+)
+SCHEDULE = f.record(
+    {
+        "round_seconds": f.number(0.1, 86_400 * 7),
+        "min_submissions": f.integer(1, MAX_WORKERS_PER_ROUND),
+        "max_rounds": f.integer(1, MAX_ROUND),
+    }
+)
+VERIFICATION = f.record(
+    {
+        "spot_checks_per_round": f.integer(0, MAX_WORKERS_PER_ROUND),
+        "tolerance": f.number(0.0, 1.0),
+        "norm_factor": f.number(1.0, 1e6),
+        "ban_rounds": f.integer(0, MAX_ROUND),
+    }
+)
+LIMITS = f.record({"max_payload_bytes": f.integer(1, 1 << 34)})
+REWARDS = f.record({"per_round": f.number(0.0, 1e18)})
+
+
+@dataclass(frozen=True)
+class RunSpec(Message):
+    """Everything that defines a run; signed by the organiser, fixed for its lifetime."""
+
+    KIND: ClassVar[str] = "run_spec"
+    run_id: str
+    round: int  # always 0: the spec precedes every round
+    created_at: int
+    organiser: str
+    seed: str
+    task: dict[str, Any]
+    dataset_hash: str
+    dataset_bytes: int
+    genesis_model_hash: str
+    num_params: int
+    inner: dict[str, Any]
+    outer: dict[str, Any]
+    codec: dict[str, Any]
+    aggregator: dict[str, Any]
+    schedule: dict[str, Any]
+    verification: dict[str, Any]
+    limits: dict[str, Any]
+    rewards: dict[str, Any]
+    validators: list[dict[str, str]]
+    quorum: int
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, 0),
+        "created_at": TIME,
+        "organiser": f.PUBKEY,
+        "seed": f.HASH,
+        "task": NAMED_PARAMS,
+        "dataset_hash": f.HASH,
+        "dataset_bytes": f.integer(0, 1 << 40),
+        "genesis_model_hash": f.HASH,
+        "num_params": f.integer(1, 1 << 40),
+        "inner": INNER,
+        "outer": OUTER,
+        "codec": NAMED_PARAMS,
+        "aggregator": NAMED_PARAMS,
+        "schedule": SCHEDULE,
+        "verification": VERIFICATION,
+        "limits": LIMITS,
+        "rewards": REWARDS,
+        "validators": f.list_of(VALIDATOR_INFO, 256),
+        "quorum": f.integer(1, 256),
+    }
+
+    def validator_index(self, ed25519_hex: str) -> int | None:
+        for i, v in enumerate(self.validators):
+            if v["ed25519"] == ed25519_hex:
+                return i
+        return None
+
+
+# --------------------------------------------------------------------------- registration
+
+
+@dataclass(frozen=True)
+class Registration(Message):
+    """A worker asks to take part in a run (validators are named in the run spec)."""
+
+    KIND: ClassVar[str] = "registration"
+    run_id: str
+    round: int  # always 0
+    participant: str
+    role: str
+    created_at: int
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, 0),
+        "participant": f.PUBKEY,
+        "role": f.one_of("worker"),
+        "created_at": TIME,
+    }
+
+
+# --------------------------------------------------------------------------- submission
+
+LOSS = f.number(-1e9, 1e9)
+
+
+@dataclass(frozen=True)
+class Submission(Message):
+    """A worker's signed claim: this payload is my pseudo-gradient for this round."""
+
+    KIND: ClassVar[str] = "submission"
+    run_id: str
+    round: int
+    worker: str
+    base_model_hash: str
+    payload_hash: str
+    payload_bytes: int
+    codec: dict[str, Any]
+    samples: int
+    trail: list[str]
+    loss_first: float
+    loss_last: float
+    created_at: int
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, MAX_ROUND),
+        "worker": f.PUBKEY,
+        "base_model_hash": f.HASH,
+        "payload_hash": f.HASH,
+        "payload_bytes": f.integer(0, 1 << 40),
+        "codec": NAMED_PARAMS,
+        "samples": f.integer(0, 1 << 40),
+        "trail": f.list_of(f.HASH, MAX_TRAIL),
+        "loss_first": LOSS,
+        "loss_last": LOSS,
+        "created_at": TIME,
+    }
+
+
+@dataclass(frozen=True)
+class Receipt(Message):
+    """The ledger's signed acknowledgement that a submission arrived in time."""
+
+    KIND: ClassVar[str] = "receipt"
+    run_id: str
+    round: int
+    worker: str
+    submission_digest: str
+    received_at: float
+    sequence: int
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, MAX_ROUND),
+        "worker": f.PUBKEY,
+        "submission_digest": f.HASH,
+        "received_at": f.number(0, 1e12),
+        "sequence": f.integer(0, 1 << 62),
+    }
+
+
+# --------------------------------------------------------------------------- round result
+
+VERDICT_STATUS = ("accepted", "rejected")
+VERDICT = f.record(
+    {
+        "worker": f.PUBKEY,
+        "submission_digest": f.HASH,
+        "status": f.one_of(*VERDICT_STATUS),
+        "reason": f.string(64, r"[a-z_]*"),
+        "detail": f.string(500),
+        "spot_checked": f.boolean,
+        "distance": f.optional(f.number(0.0, 1e30)),
+    }
+)
+SCORE = f.record(
+    {
+        "worker": f.PUBKEY,
+        "samples": f.integer(0, 1 << 40),
+        "quality": f.number(0.0, 1.0),
+        "score": f.number(0.0, 1e18),
+        "reward": f.number(0.0, 1e18),
+    }
+)
+
+
+@dataclass(frozen=True)
+class CertifiedState(Message):
+    """What a certificate vouches for: the model that round ``round`` starts from.
+
+    Validators BLS-sign this message's signing root (domain ``certificate``);
+    ``round`` is the round the model is the base of.
+    """
+
+    KIND: ClassVar[str] = "certificate"
+    run_id: str
+    round: int
+    model_hash: str
+    outer_state_hash: str
+    verdicts_hash: str
+    scores_hash: str
+    eval_loss: float
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(1, MAX_ROUND),
+        "model_hash": f.HASH,
+        "outer_state_hash": f.HASH,
+        "verdicts_hash": f.HASH,
+        "scores_hash": f.HASH,
+        "eval_loss": LOSS,
+    }
+
+
+@dataclass(frozen=True)
+class RoundResult(Message):
+    """One validator's outcome of round ``round``: verdicts, scores, new model, attestation."""
+
+    KIND: ClassVar[str] = "round_result"
+    run_id: str
+    round: int
+    validator: str
+    base_model_hash: str
+    beacon_seed: str
+    verdicts: list[dict[str, Any]]
+    scores: list[dict[str, Any]]
+    certified: dict[str, Any]
+    attestation: str
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, MAX_ROUND),
+        "validator": f.PUBKEY,
+        "base_model_hash": f.HASH,
+        "beacon_seed": f.HASH,
+        "verdicts": f.list_of(VERDICT, MAX_WORKERS_PER_ROUND),
+        "scores": f.list_of(SCORE, MAX_WORKERS_PER_ROUND),
+        "certified": lambda v, p: CertifiedState.from_body(v).to_body(),
+        "attestation": f.BLS_SIGNATURE,
+    }
+
+    @property
+    def certified_state(self) -> CertifiedState:
+        return CertifiedState.from_body(self.certified)
+
+
+@dataclass(frozen=True)
+class BeaconShare(Message):
+    """A validator's BLS signature over the round's beacon root, sent after the round closed."""
+
+    KIND: ClassVar[str] = "beacon_share"
+    run_id: str
+    round: int
+    validator: str
+    share: str
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, MAX_ROUND),
+        "validator": f.PUBKEY,
+        "share": f.BLS_SIGNATURE,
+    }
+
+
+def digest_of(value: Any) -> str:
+    """sha256 (hex) of a value's canonical encoding (verdict and score lists)."""
+    return hashlib.sha256(encode_canonical(value)).hexdigest()

@@ -1,0 +1,119 @@
+"""Canonical tensor files and flat parameter vectors.
+
+Models, optimizer states and update payloads travel as safetensors files
+(never pickle). A model's content hash is ``sha256`` of its canonical file:
+tensors stored as contiguous little-endian float32 under their parameter
+names with no metadata, so the same weights give the same bytes and the same
+hash on every machine. Decoding is bounded: the file size is checked before
+parsing, and the names, shapes and dtypes must match what the run spec
+expects; nothing is taken on trust from the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from .errors import NonFiniteError, OversizedError, PayloadError
+
+ParamShapes = Sequence[tuple[str, tuple[int, ...]]]
+
+#: Upper bound on a safetensors header; real headers are a few KiB.
+MAX_HEADER_BYTES = 1 << 20
+
+
+def param_shapes(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of the trainable parameters, in module order."""
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
+def numel_of(shapes: ParamShapes) -> int:
+    """Total element count of a parameter layout."""
+    return sum(math.prod(shape) for _, shape in shapes)
+
+
+def flatten_params(model: torch.nn.Module) -> torch.Tensor:
+    """All parameters as one float32 CPU vector, in ``param_shapes`` order."""
+    return torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
+
+
+def load_flat_params(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    """Copy a flat vector (as made by :func:`flatten_params`) into ``model``."""
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p).to(p.dtype))
+            offset += n
+    if offset != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} elements, model needs {offset}")
+
+
+def split_flat(flat: torch.Tensor, shapes: ParamShapes) -> dict[str, torch.Tensor]:
+    """View a flat vector as named tensors of the given shapes."""
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, shape in shapes:
+        n = math.prod(shape)
+        out[name] = flat[offset : offset + n].view(shape)
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} elements, layout needs {offset}")
+    return out
+
+
+def join_flat(tensors: Mapping[str, torch.Tensor], shapes: ParamShapes) -> torch.Tensor:
+    """Concatenate named tensors into one flat float32 vector in layout order."""
+    return torch.cat([tensors[name].reshape(-1).float() for name, _ in shapes])
+
+
+def encode_flat(flat: torch.Tensor, shapes: ParamShapes) -> bytes:
+    """Canonical safetensors bytes of a flat float32 vector laid out by ``shapes``."""
+    named = {
+        name: t.detach().to(torch.float32).cpu().contiguous().clone()
+        for name, t in split_flat(flat.detach().float().cpu(), shapes).items()
+    }
+    return st_save(named)
+
+
+def decode_flat(data: bytes, shapes: ParamShapes, *, max_bytes: int) -> torch.Tensor:
+    """Parse a canonical tensor file into a flat float32 vector.
+
+    Refuses files over ``max_bytes``, headers over :data:`MAX_HEADER_BYTES`,
+    any name, shape or dtype that differs from ``shapes``, and non-finite
+    values.
+    """
+    if len(data) > max_bytes:
+        raise OversizedError(f"tensor file of {len(data)} bytes exceeds limit {max_bytes}")
+    if len(data) < 8:
+        raise PayloadError("tensor file shorter than its header length")
+    header_len = int.from_bytes(data[:8], "little")
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > len(data):
+        raise PayloadError(f"tensor file header length {header_len} out of bounds")
+    expected_bytes = 8 + header_len + 4 * numel_of(shapes)
+    if len(data) != expected_bytes:
+        raise PayloadError(f"tensor file is {len(data)} bytes, layout needs {expected_bytes}")
+    try:
+        tensors = st_load(data)
+    except Exception as exc:  # the parser reports malformed files with its own types
+        raise PayloadError(f"tensor file does not parse: {exc}") from exc
+    expected = dict(shapes)
+    if set(tensors) != set(expected):
+        raise PayloadError("tensor file names differ from the run's parameter layout")
+    for name, t in tensors.items():
+        if t.dtype != torch.float32 or tuple(t.shape) != expected[name]:
+            raise PayloadError(f"tensor {name!r} has {t.dtype} {tuple(t.shape)}, expected float32 {expected[name]}")
+    flat = join_flat(tensors, shapes)
+    if not bool(torch.isfinite(flat).all()):
+        raise NonFiniteError("tensor file holds NaN or Inf")
+    return flat
+
+
+def sha256_hex(data: bytes) -> str:
+    """Content hash used for every blob: lowercase hex sha256."""
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,136 @@
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from veritrain.protocol.encoding import decode_canonical, encode_canonical
+from veritrain.protocol.errors import EncodingError, SignatureError
+from veritrain.protocol.identity import Identity
+from veritrain.protocol.messages import (
+    Receipt,
+    Registration,
+    Submission,
+    decode_signed,
+    open_signed,
+    sign,
+)
+from veritrain.protocol.signing import compute_signing_root
+
+WORKER = Identity.generate("worker")
+OTHER = Identity.generate("worker")
+
+hex32 = st.binary(min_size=32, max_size=32).map(bytes.hex)
+submissions = st.builds(
+    Submission,
+    run_id=st.from_regex(r"[a-z0-9][a-z0-9-]{2,20}", fullmatch=True),
+    round=st.integers(0, 10**6),
+    worker=st.just(WORKER.public_key.hex()),
+    base_model_hash=hex32,
+    payload_hash=hex32,
+    payload_bytes=st.integers(0, 10**9),
+    codec=st.just({"name": "fp16", "params": {}}),
+    samples=st.integers(0, 10**6),
+    trail=st.lists(hex32, max_size=8),
+    loss_first=st.floats(-100, 100, allow_nan=False),
+    loss_last=st.floats(-100, 100, allow_nan=False),
+    created_at=st.integers(0, 2**40),
+)
+
+
+@settings(max_examples=40)
+@given(submissions)
+def test_signed_submission_round_trips(sub):
+    signed = sign(WORKER, sub)
+    back = decode_signed(signed.encode(), Submission)
+    assert back.message == sub
+    assert back.digest == signed.digest
+
+
+@settings(max_examples=40)
+@given(submissions, st.data())
+def test_invalid_any_field_change_breaks_the_signature(sub, data):
+    wire = sign(WORKER, sub).to_wire()
+    field = data.draw(st.sampled_from(sorted(wire["body"])))
+    value = wire["body"][field]
+    if isinstance(value, bool) or field == "worker":
+        return
+    if isinstance(value, int):
+        wire["body"][field] = value + 1
+    elif isinstance(value, float):
+        wire["body"][field] = value + 1.0
+    elif isinstance(value, str):
+        wire["body"][field] = ("0" if value[0] != "0" else "1") + value[1:]
+    elif isinstance(value, list):
+        wire["body"][field] = [*value, "ab" * 32]
+    else:
+        wire["body"][field] = {"name": "int8", "params": {}}
+    with pytest.raises(SignatureError):
+        open_signed(wire, Submission)
+
+
+def _sub(**kw):
+    base = dict(run_id="run-a", round=3, worker=WORKER.public_key.hex(), base_model_hash="0" * 64,
+                payload_hash="1" * 64, payload_bytes=10, codec={"name": "fp16", "params": {}},
+                samples=80, trail=["2" * 64], loss_first=2.0, loss_last=1.5, created_at=1)
+    base.update(kw)
+    return Submission(**base)
+
+
+def test_invalid_signature_from_another_key():
+    wire = sign(WORKER, _sub()).to_wire()
+    wire["signer"] = OTHER.public_key.hex()
+    with pytest.raises(SignatureError):
+        open_signed(wire, Submission)
+
+
+def test_invalid_replay_as_another_kind_is_refused():
+    """A registration's signature must not verify as anything else."""
+    reg = Registration(run_id="run-a", round=0, participant=WORKER.public_key.hex(),
+                       role="worker", created_at=1)
+    wire = sign(WORKER, reg).to_wire()
+    wire["kind"] = "submission"
+    with pytest.raises(EncodingError):
+        open_signed(wire, Submission)
+    with pytest.raises(EncodingError):
+        open_signed(wire, Receipt)
+
+
+def test_signing_roots_separate_domains_runs_and_rounds():
+    body = encode_canonical({"x": 1})
+    roots = {
+        compute_signing_root("submission", "run-a", 1, body),
+        compute_signing_root("registration", "run-a", 1, body),
+        compute_signing_root("submission", "run-b", 1, body),
+        compute_signing_root("submission", "run-a", 2, body),
+    }
+    assert len(roots) == 4
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda b: b.pop("trail"),
+    lambda b: b.update(extra=1),
+    lambda b: b.update(round=-1),
+    lambda b: b.update(round=True),
+    lambda b: b.update(payload_hash="XYZ"),
+    lambda b: b.update(loss_first="1.0"),
+    lambda b: b.update(trail=["00" * 32] * 5000),
+    lambda b: b.update(run_id="Bad Run"),
+])
+def test_invalid_malformed_bodies_are_refused(mutate):
+    wire = sign(WORKER, _sub()).to_wire()
+    mutate(wire["body"])
+    with pytest.raises(EncodingError):
+        open_signed(wire, Submission)
+
+
+def test_invalid_non_canonical_bytes_are_refused():
+    raw = sign(WORKER, _sub()).encode()
+    spaced = raw.replace(b'","', b'", "', 1)
+    with pytest.raises(EncodingError):
+        decode_signed(spaced, Submission)
+    assert decode_canonical(raw)
+
+
+def test_messages_are_immutable():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        _sub().round = 4  # type: ignore[misc]
