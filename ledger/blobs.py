@@ -1,0 +1,88 @@
+"""Content-addressed blob files on disk.
+
+A blob is written to a temporary file while its sha256 is computed, then
+renamed to ``<root>/<h[:2]>/<h>`` only if the hash matches what the writer
+declared; a partial or mismatched upload never becomes visible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+from veritrain.protocol.errors import OversizedError, RejectedInput
+
+
+class HashMismatch(RejectedInput):
+    reason = "payload_mismatch"
+
+
+class BlobWriter:
+    """Incremental writer: feed chunks, then :meth:`commit` with the expected hash."""
+
+    def __init__(self, store: BlobStore, max_bytes: int) -> None:
+        self._store = store
+        self._max = max_bytes
+        fd, name = tempfile.mkstemp(dir=store.tmp_dir, prefix="up-")
+        self._fh = os.fdopen(fd, "wb")
+        self._tmp = Path(name)
+        self._hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size > self._max:
+            self.abort()
+            raise OversizedError(f"blob exceeds the limit of {self._max} bytes")
+        self._hash.update(chunk)
+        self._fh.write(chunk)
+
+    @property
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+    def commit(self, expected: str | None = None) -> str:
+        digest = self._hash.hexdigest()
+        if expected is not None and digest != expected:
+            self.abort()
+            raise HashMismatch(f"content hash {digest} does not match declared {expected}")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        final = self._store.path_for(digest)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self._tmp, final)
+        return digest
+
+    def abort(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+        self._tmp.unlink(missing_ok=True)
+
+
+class BlobStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.tmp_dir = root / "tmp"
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+
+    def path_for(self, digest: str) -> Path:
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ValueError("not a sha256 hex digest")
+        return self.root / digest[:2] / digest
+
+    def writer(self, max_bytes: int) -> BlobWriter:
+        return BlobWriter(self, max_bytes)
+
+    def put(self, data: bytes, max_bytes: int | None = None) -> str:
+        w = self.writer(max_bytes if max_bytes is not None else len(data))
+        w.write(data)
+        return w.commit()
+
+    def exists(self, digest: str) -> bool:
+        return self.path_for(digest).exists()
+
+    def read(self, digest: str) -> bytes:
+        return self.path_for(digest).read_bytes()

@@ -1,0 +1,215 @@
+"""Read-only views for the audit API (plain dicts, JSON-ready)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+from veritrain.protocol.encoding import decode_canonical
+
+from . import schema as t
+from .store import NotFound
+
+MAX_PAGE = 1000
+
+
+def round_info(s: Session, run_id: str, r: int | None, now: float) -> dict[str, Any]:
+    q = select(t.Round).where(t.Round.run_id == run_id)
+    q = q.where(t.Round.round == r) if r is not None else q.order_by(t.Round.round.desc()).limit(1)
+    rnd = s.execute(q).scalar_one_or_none()
+    if rnd is None:
+        raise NotFound(f"run {run_id!r} has no round {r}")
+    run = s.get(t.Run, run_id)
+    assert run is not None
+    base_cert = None
+    if rnd.round > 0:
+        prev = s.get(t.Round, (run_id, rnd.round - 1))
+        if prev is not None and prev.certificate is not None:
+            base_cert = decode_canonical(prev.certificate)
+    count = s.execute(select(func.count()).select_from(t.Submission).where(
+        t.Submission.run_id == run_id, t.Submission.round == rnd.round)).scalar_one()
+    return {
+        "run_id": run_id,
+        "run_status": run.status,
+        "round": rnd.round,
+        "status": rnd.status,
+        "base_model_hash": rnd.base_model_hash,
+        "outer_state_hash": rnd.outer_state_hash,
+        "base_certificate": base_cert,
+        "opened_at": rnd.opened_at,
+        "deadline": rnd.deadline,
+        "extensions": rnd.extensions,
+        "closed_at": rnd.closed_at,
+        "finalized_at": rnd.finalized_at,
+        "submissions": count,
+        "certificate": decode_canonical(rnd.certificate) if rnd.certificate else None,
+        "eval_loss": rnd.eval_loss,
+        "now": now,
+    }
+
+
+def _verdict_json(v: t.Verdict) -> dict[str, Any]:
+    return {
+        "round": v.round, "worker": v.worker, "status": v.status, "reason": v.reason,
+        "detail": v.detail, "spot_checked": v.spot_checked, "distance": v.distance,
+        "samples": v.samples, "quality": v.quality, "score": v.score, "reward": v.reward,
+    }
+
+
+def _rejection_json(x: t.Rejection) -> dict[str, Any]:
+    return {"round": x.round, "signer": x.signer, "endpoint": x.endpoint, "reason": x.reason,
+            "detail": x.detail, "at": x.at}
+
+
+def worker_history(s: Session, run_id: str, worker: str, *, offset: int = 0,
+                   limit: int = 100) -> dict[str, Any]:
+    limit = max(1, min(limit, MAX_PAGE))
+    part = s.execute(select(t.Participant).where(
+        t.Participant.run_id == run_id, t.Participant.pubkey == worker)).scalar_one_or_none()
+    if part is None:
+        raise NotFound(f"{worker[:12]} is not a participant of run {run_id!r}")
+    subs = s.execute(select(t.Submission).where(
+        t.Submission.run_id == run_id, t.Submission.worker == worker)
+        .order_by(t.Submission.round).offset(offset).limit(limit)).scalars().all()
+    verdicts = s.execute(select(t.Verdict).where(
+        t.Verdict.run_id == run_id, t.Verdict.worker == worker)
+        .order_by(t.Verdict.round).offset(offset).limit(limit)).scalars().all()
+    totals = s.execute(select(func.coalesce(func.sum(t.Verdict.score), 0.0),
+                              func.coalesce(func.sum(t.Verdict.reward), 0.0),
+                              func.count()).where(
+        t.Verdict.run_id == run_id, t.Verdict.worker == worker)).one()
+    rejected = s.execute(select(func.count()).select_from(t.Verdict).where(
+        t.Verdict.run_id == run_id, t.Verdict.worker == worker,
+        t.Verdict.status == "rejected")).scalar_one()
+    return {
+        "run_id": run_id,
+        "worker": worker,
+        "role": part.role,
+        "registered_round": part.registered_round,
+        "banned_until_round": part.banned_until_round,
+        "submissions": [{"round": x.round, "digest": x.digest, "payload_bytes": x.payload_bytes,
+                         "received_at": x.received_at} for x in subs],
+        "verdicts": [_verdict_json(v) for v in verdicts],
+        "totals": {"score": totals[0], "reward": totals[1], "verdicts": totals[2],
+                   "rejected": rejected},
+        "offset": offset,
+        "limit": limit,
+    }
+
+
+def round_summary(s: Session, run_id: str, r: int, now: float) -> dict[str, Any]:
+    info = round_info(s, run_id, r, now)
+    verdicts = s.execute(select(t.Verdict).where(t.Verdict.run_id == run_id, t.Verdict.round == r)
+                         .order_by(t.Verdict.worker)).scalars().all()
+    rejections = s.execute(select(t.Rejection).where(
+        t.Rejection.run_id == run_id, t.Rejection.round == r).order_by(t.Rejection.id)
+        .limit(MAX_PAGE)).scalars().all()
+    info["verdicts"] = [_verdict_json(v) for v in verdicts]
+    info["rejections"] = [_rejection_json(x) for x in rejections]
+    return info
+
+
+def run_report(s: Session, run_id: str) -> dict[str, Any]:
+    """Per-round eval loss and verdict counts plus per-worker totals: the run at a glance."""
+    run = s.get(t.Run, run_id)
+    if run is None:
+        raise NotFound(f"no run {run_id!r}")
+    rounds = []
+    for rnd in s.execute(select(t.Round).where(t.Round.run_id == run_id)
+                         .order_by(t.Round.round)).scalars().all():
+        counts = dict(s.execute(select(t.Verdict.status, func.count()).where(
+            t.Verdict.run_id == run_id, t.Verdict.round == rnd.round)
+            .group_by(t.Verdict.status)).all())
+        rounds.append({"round": rnd.round, "status": rnd.status, "eval_loss": rnd.eval_loss,
+                       "accepted": counts.get("accepted", 0),
+                       "rejected": counts.get("rejected", 0), "extensions": rnd.extensions})
+    workers = []
+    for part in s.execute(select(t.Participant).where(
+            t.Participant.run_id == run_id, t.Participant.role == "worker")
+            .order_by(t.Participant.id)).scalars().all():
+        vs = s.execute(select(t.Verdict).where(
+            t.Verdict.run_id == run_id, t.Verdict.worker == part.pubkey)
+            .order_by(t.Verdict.round)).scalars().all()
+        workers.append({
+            "worker": part.pubkey,
+            "registered_round": part.registered_round,
+            "banned_until_round": part.banned_until_round,
+            "accepted": sum(v.status == "accepted" for v in vs),
+            "rejected": [{"round": v.round, "reason": v.reason, "detail": v.detail}
+                         for v in vs if v.status == "rejected"],
+            "spot_checked": sum(v.spot_checked for v in vs),
+            "score": sum(v.score for v in vs),
+            "reward": sum(v.reward for v in vs),
+        })
+    rejections = s.execute(select(t.Rejection).where(t.Rejection.run_id == run_id)
+                           .order_by(t.Rejection.id).limit(MAX_PAGE)).scalars().all()
+    return {"run_id": run_id, "status": run.status, "rounds": rounds, "workers": workers,
+            "rejections": [_rejection_json(x) for x in rejections]}
+
+
+def events_page(s: Session, run_id: str, after: int, limit: int) -> dict[str, Any]:
+    limit = max(1, min(limit, MAX_PAGE))
+    rows = s.execute(select(t.Event).where(t.Event.run_id == run_id, t.Event.seq > after)
+                     .order_by(t.Event.seq).limit(limit)).scalars().all()
+    return {"run_id": run_id, "events": [
+        {"seq": e.seq, "kind": e.kind, "body": e.body.decode("ascii"), "prev_hash": e.prev_hash,
+         "hash": e.hash, "ledger_signature": e.ledger_signature} for e in rows]}
+
+
+def rejections_page(s: Session, run_id: str, *, round_index: int | None, signer: str | None,
+                    reason: str | None, offset: int, limit: int) -> dict[str, Any]:
+    limit = max(1, min(limit, MAX_PAGE))
+    q = select(t.Rejection).where(t.Rejection.run_id == run_id)
+    if round_index is not None:
+        q = q.where(t.Rejection.round == round_index)
+    if signer is not None:
+        q = q.where(t.Rejection.signer == signer)
+    if reason is not None:
+        q = q.where(t.Rejection.reason == reason)
+    rows = s.execute(q.order_by(t.Rejection.id).offset(offset).limit(limit)).scalars().all()
+    return {"run_id": run_id, "rejections": [_rejection_json(x) for x in rows],
+            "offset": offset, "limit": limit}
+
+
+def list_runs(s: Session) -> list[dict[str, Any]]:
+    return [{"run_id": r.run_id, "status": r.status, "organiser": r.organiser,
+             "created_at": r.created_at}
+            for r in s.execute(select(t.Run).order_by(t.Run.created_at)).scalars().all()]
+
+
+def run_overview(s: Session, run_id: str) -> dict[str, Any]:
+    """The signed run spec as stored, the run's status and its current round."""
+    run = s.get(t.Run, run_id)
+    if run is None:
+        raise NotFound(f"no run {run_id!r}")
+    current = s.execute(select(func.max(t.Round.round)).where(t.Round.run_id == run_id)).scalar()
+    return {"spec": decode_canonical(run.spec), "status": run.status, "current_round": current}
+
+
+def round_results(s: Session, run_id: str, r: int) -> dict[str, Any]:
+    """Every validator's signed result for round ``r``, in arrival order."""
+    rows = s.execute(select(t.RoundResultRow.body).where(
+        t.RoundResultRow.run_id == run_id, t.RoundResultRow.round == r)
+        .order_by(t.RoundResultRow.id)).scalars().all()
+    return {"results": [decode_canonical(b) for b in rows]}
+
+
+def participants(s: Session, run_id: str) -> dict[str, Any]:
+    """Workers' signed registrations (so validators can check them) and ban state."""
+    rows = s.execute(select(t.Participant).where(
+        t.Participant.run_id == run_id, t.Participant.role == "worker")
+        .order_by(t.Participant.id)).scalars().all()
+    return {"run_id": run_id, "participants": [
+        {"registration": decode_canonical(p.registration) if p.registration else None,
+         "pubkey": p.pubkey, "registered_round": p.registered_round,
+         "banned_until_round": p.banned_until_round} for p in rows]}
+
+
+def beacon(s: Session, run_id: str, r: int) -> dict[str, Any]:
+    """The round's fixed beacon shares, or null while fewer than a quorum arrived."""
+    rnd = s.get(t.Round, (run_id, r))
+    if rnd is None:
+        raise NotFound(f"run {run_id!r} has no round {r}")
+    return {"run_id": run_id, "round": r,
+            "beacon": decode_canonical(rnd.beacon) if rnd.beacon else None}

@@ -1,0 +1,164 @@
+"""Ledger tables (SQLAlchemy 2 typed models).
+
+The ``events`` table is the append-only, hash-chained log that an auditor
+verifies; the other tables are indexed views of the same facts for queries.
+Every write goes through :mod:`veritrain.ledger.store`, which appends the
+event and updates the views in one transaction.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    run_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    organiser: Mapped[str] = mapped_column(String(64))
+    spec: Mapped[bytes] = mapped_column(LargeBinary)  # canonical signed RunSpec
+    created_at: Mapped[float] = mapped_column(Float)
+    status: Mapped[str] = mapped_column(String(16), default="active")
+
+
+class Participant(Base):
+    __tablename__ = "participants"
+    __table_args__ = (UniqueConstraint("run_id", "pubkey"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.run_id"))
+    pubkey: Mapped[str] = mapped_column(String(64))
+    role: Mapped[str] = mapped_column(String(16))
+    registered_at: Mapped[float] = mapped_column(Float)
+    registered_round: Mapped[int] = mapped_column(Integer)
+    banned_until_round: Mapped[int] = mapped_column(Integer, default=-1)
+    registration: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+
+
+class Round(Base):
+    __tablename__ = "rounds"
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.run_id"), primary_key=True)
+    round: Mapped[int] = mapped_column(Integer, primary_key=True)
+    status: Mapped[str] = mapped_column(String(16))
+    base_model_hash: Mapped[str] = mapped_column(String(64))
+    outer_state_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    opened_at: Mapped[float] = mapped_column(Float)
+    deadline: Mapped[float] = mapped_column(Float)
+    extensions: Mapped[int] = mapped_column(Integer, default=0)
+    closed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finalized_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    certificate: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    beacon: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    eval_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Submission(Base):
+    __tablename__ = "submissions"
+    __table_args__ = (UniqueConstraint("run_id", "round", "worker"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.run_id"))
+    round: Mapped[int] = mapped_column(Integer)
+    worker: Mapped[str] = mapped_column(String(64))
+    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    envelope: Mapped[bytes] = mapped_column(LargeBinary)  # canonical signed Submission
+    payload_hash: Mapped[str] = mapped_column(String(64))
+    payload_bytes: Mapped[int] = mapped_column(BigInteger)
+    samples: Mapped[int] = mapped_column(BigInteger)
+    received_at: Mapped[float] = mapped_column(Float)
+    receipt: Mapped[bytes] = mapped_column(LargeBinary)  # canonical signed Receipt
+
+
+class BeaconShareRow(Base):
+    __tablename__ = "beacon_shares"
+    __table_args__ = (UniqueConstraint("run_id", "round", "validator_index"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.run_id"))
+    round: Mapped[int] = mapped_column(Integer)
+    validator_index: Mapped[int] = mapped_column(Integer)
+    share: Mapped[str] = mapped_column(String(192))
+
+
+class RoundResultRow(Base):
+    __tablename__ = "round_results"
+    __table_args__ = (UniqueConstraint("run_id", "round", "validator"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.run_id"))
+    round: Mapped[int] = mapped_column(Integer)
+    validator: Mapped[str] = mapped_column(String(64))
+    certified_digest: Mapped[str] = mapped_column(String(64))
+    body: Mapped[bytes] = mapped_column(LargeBinary)  # canonical signed RoundResult
+    received_at: Mapped[float] = mapped_column(Float)
+
+
+class Verdict(Base):
+    __tablename__ = "verdicts"
+    __table_args__ = (
+        UniqueConstraint("run_id", "round", "worker"),
+        Index("ix_verdicts_worker", "run_id", "worker", "round"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.run_id"))
+    round: Mapped[int] = mapped_column(Integer)
+    worker: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(String(64))
+    detail: Mapped[str] = mapped_column(Text)
+    spot_checked: Mapped[bool] = mapped_column(default=False)
+    distance: Mapped[float | None] = mapped_column(Float, nullable=True)
+    samples: Mapped[int] = mapped_column(BigInteger, default=0)
+    quality: Mapped[float] = mapped_column(Float, default=0.0)
+    score: Mapped[float] = mapped_column(Float, default=0.0)
+    reward: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class Rejection(Base):
+    """A write the ledger refused at its door (bad signature, late, duplicate, ...)."""
+
+    __tablename__ = "rejections"
+    __table_args__ = (Index("ix_rejections_run_round", "run_id", "round"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64))
+    round: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    signer: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    reason: Mapped[str] = mapped_column(String(64))
+    detail: Mapped[str] = mapped_column(Text)
+    at: Mapped[float] = mapped_column(Float)
+
+
+class Blob(Base):
+    __tablename__ = "blobs"
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    kind: Mapped[str] = mapped_column(String(16))
+    run_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    sealed_round: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class Event(Base):
+    """Append-only, hash-chained log: hash = sha256(prev_hash || seq || kind || body)."""
+
+    __tablename__ = "events"
+    __table_args__ = (UniqueConstraint("run_id", "seq"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64))
+    seq: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(32))
+    body: Mapped[bytes] = mapped_column(LargeBinary)
+    prev_hash: Mapped[str] = mapped_column(String(64))
+    hash: Mapped[str] = mapped_column(String(64), unique=True)
+    ledger_signature: Mapped[str] = mapped_column(String(128))

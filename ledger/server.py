@@ -1,0 +1,425 @@
+"""The ledger's HTTP API (aiohttp): thin handlers over :class:`LedgerStore`.
+
+Handlers decode, call the store on the single writer thread (reads go to a
+small reader pool), and encode the reply. Every refusal is an
+``application/problem+json`` body with a stable ``reason`` and is recorded in
+the ``rejections`` table. Request bodies are bounded before they are read:
+JSON bodies by ``client_max_size``, uploads part by part while streaming to
+the blob store. specs/ledger-api.md lists the endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from aiohttp import BodyPartReader, web
+from veritrain.protocol.encoding import decode_canonical, encode_canonical
+from veritrain.protocol.errors import EncodingError, OversizedError, RejectedInput
+from veritrain.protocol.identity import Identity
+from veritrain.protocol.messages import (
+    BeaconShare,
+    Registration,
+    RoundResult,
+    RunSpec,
+    Submission,
+    open_signed,
+)
+
+from . import queries
+from .blobs import BlobStore
+from .store import LedgerStore
+
+log = logging.getLogger("veritrain.ledger")
+
+T = TypeVar("T")
+
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_MODEL_BYTES = 1 << 32
+STATUS_BY_REASON = {
+    "not_found": 404,
+    "duplicate": 409,
+    "wrong_state": 409,
+    "oversized": 413,
+    "bad_signature": 401,
+    "unknown_worker": 403,
+    "unknown_validator": 403,
+    "banned": 403,
+    "sealed": 403,
+}
+
+
+@dataclass
+class LedgerConfig:
+    data_dir: Path
+    db_url: str
+    tick_seconds: float = 0.2
+    max_dataset_bytes: int = 1 << 30
+
+
+@dataclass
+class Ledger:
+    """Shared state of one ledger server."""
+
+    store: LedgerStore
+    blobs: BlobStore
+    config: LedgerConfig
+    writer: ThreadPoolExecutor
+    readers: ThreadPoolExecutor
+
+    async def write(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.writer, fn, *args)
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        def run() -> T:
+            with self.store.sessions() as s:
+                return fn(s, *args)
+
+        return await asyncio.get_running_loop().run_in_executor(self.readers, run)
+
+
+LEDGER = web.AppKey("ledger", Ledger)
+SIGNER = web.RequestKey("signer", str)
+
+
+def problem(status: int, reason: str, detail: str) -> web.Response:
+    body = {"type": f"https://veritrain.dev/problems/{reason}", "title": reason,
+            "status": status, "reason": reason, "detail": detail}
+    return web.json_response(body, status=status, content_type="application/problem+json")
+
+
+@web.middleware
+async def problems_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Turn refusals into problem+json, record them, and never leak a traceback."""
+    try:
+        return await handler(request)
+    except RejectedInput as exc:
+        status = STATUS_BY_REASON.get(exc.reason, 400)
+        ledger = request.app[LEDGER]
+        run_id = request.match_info.get("run_id", "")
+        round_txt = request.match_info.get("round", "")
+        with contextlib.suppress(Exception):
+            await ledger.write(
+                ledger.store.record_rejection, run_id,
+                int(round_txt) if round_txt.isdigit() else None,
+                request.get(SIGNER), request.method + " " + (request.match_info.route.resource
+                                                              .canonical if request.match_info.route.resource else request.path),
+                exc.reason, str(exc))
+        return problem(status, exc.reason, str(exc))
+    except web.HTTPRequestEntityTooLarge as exc:
+        return problem(413, "oversized", exc.text or "request body too large")
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return problem(exc.status, exc.reason.lower().replace(" ", "_"), exc.text or exc.reason)
+        raise
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)
+        return problem(500, "internal_error", "internal error; the request changed nothing")
+
+
+def canonical_json(value: Any, status: int = 200) -> web.Response:
+    return web.Response(body=encode_canonical(value), status=status,
+                        content_type="application/json")
+
+
+async def read_message(request: web.Request) -> Any:
+    if request.content_length is not None and request.content_length > MAX_MESSAGE_BYTES:
+        raise OversizedError("message body too large")
+    return decode_canonical(await request.read(), max_bytes=MAX_MESSAGE_BYTES)
+
+
+async def read_part_bytes(part: BodyPartReader, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await part.read_chunk(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise OversizedError(f"part {part.name!r} exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def stream_part_to_blob(ledger: Ledger, part: BodyPartReader, limit: int,
+                              expected: str | None) -> tuple[str, int]:
+    writer = ledger.blobs.writer(limit)
+    try:
+        while chunk := await part.read_chunk(1 << 16):
+            writer.write(chunk)
+        return writer.commit(expected), writer.size
+    except BaseException:
+        writer.abort()
+        raise
+
+
+async def next_part(reader: Any, name: str) -> BodyPartReader:
+    part = await reader.next()
+    if part is None or not isinstance(part, BodyPartReader) or part.name != name:
+        raise EncodingError(f"expected multipart part {name!r}")
+    return part
+
+
+def int_param(request: web.Request, name: str, default: int | None = None) -> int | None:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    if not raw.lstrip("-").isdigit() or len(raw) > 18:
+        raise EncodingError(f"query parameter {name} must be an integer")
+    return int(raw)
+
+
+def path_round(request: web.Request) -> int:
+    raw = request.match_info["round"]
+    if not raw.isdigit() or len(raw) > 12:
+        raise EncodingError("round must be a non-negative integer")
+    return int(raw)
+
+
+# ----------------------------------------------------------------------------- handlers
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/v1/health")
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+@routes.get("/v1/ledger")
+async def ledger_info(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    runs = await ledger.read(queries.list_runs)
+    return web.json_response({"ledger_key": ledger.store.identity.public_key.hex(),
+                              "runs": runs, "now": time.time()})
+
+
+@routes.post("/v1/runs")
+async def create_run(request: web.Request) -> web.Response:
+    """Multipart: ``spec`` (signed RunSpec), ``dataset`` and ``genesis`` blobs."""
+    ledger = request.app[LEDGER]
+    reader = await request.multipart()
+    spec_raw = await read_part_bytes(await next_part(reader, "spec"), MAX_MESSAGE_BYTES)
+    signed = open_signed(decode_canonical(spec_raw), RunSpec)
+    request[SIGNER] = signed.signer
+    spec = signed.message
+    digest, size = await stream_part_to_blob(
+        ledger, await next_part(reader, "dataset"), ledger.config.max_dataset_bytes,
+        spec.dataset_hash)
+    await ledger.write(ledger.store.record_blob, digest, size, "dataset", spec.run_id)
+    digest, size = await stream_part_to_blob(
+        ledger, await next_part(reader, "genesis"), MAX_MODEL_BYTES, spec.genesis_model_hash)
+    await ledger.write(ledger.store.record_blob, digest, size, "model", spec.run_id)
+    await ledger.write(ledger.store.create_run, signed)
+    return web.json_response({"run_id": spec.run_id}, status=201)
+
+
+@routes.get("/v1/runs/{run_id}")
+async def get_run(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(queries.run_overview, request.match_info["run_id"]))
+
+
+@routes.post("/v1/runs/{run_id}/participants")
+async def register(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    signed = open_signed(await read_message(request), Registration)
+    request[SIGNER] = signed.signer
+    if signed.message.run_id != request.match_info["run_id"]:
+        raise RejectedInput("registration is for another run", "wrong_run")
+    return web.json_response(await ledger.write(ledger.store.register, signed))
+
+
+@routes.get("/v1/runs/{run_id}/rounds/current")
+async def current_round(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(
+        queries.round_info, request.match_info["run_id"], None, time.time()))
+
+
+@routes.get("/v1/runs/{run_id}/rounds/{round}")
+async def get_round(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(
+        queries.round_summary, request.match_info["run_id"], path_round(request), time.time()))
+
+
+@routes.post("/v1/runs/{run_id}/rounds/{round}/submissions")
+async def submit(request: web.Request) -> web.Response:
+    """Multipart: ``envelope`` (signed Submission), then ``payload`` (raw bytes)."""
+    ledger = request.app[LEDGER]
+    reader = await request.multipart()
+    env_raw = await read_part_bytes(await next_part(reader, "envelope"), MAX_MESSAGE_BYTES)
+    signed = open_signed(decode_canonical(env_raw), Submission)
+    request[SIGNER] = signed.signer
+    sub = signed.message
+    if sub.run_id != request.match_info["run_id"] or sub.round != path_round(request):
+        raise RejectedInput("envelope run or round differs from the URL", "wrong_round")
+    await ledger.write(ledger.store.precheck_submission, signed)
+    digest, size = await stream_part_to_blob(
+        ledger, await next_part(reader, "payload"), sub.payload_bytes, sub.payload_hash)
+    receipt = await ledger.write(ledger.store.accept_submission, signed, digest, size)
+    return web.json_response(receipt.to_wire(), status=201)
+
+
+@routes.get("/v1/runs/{run_id}/rounds/{round}/submissions")
+async def sealed_submissions(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    envelopes = await asyncio.get_running_loop().run_in_executor(
+        ledger.readers, ledger.store.sealed_submissions, request.match_info["run_id"],
+        path_round(request))
+    return web.json_response({"submissions": [decode_canonical(e) for e in envelopes]})
+
+
+@routes.post("/v1/runs/{run_id}/rounds/{round}/results")
+async def post_result(request: web.Request) -> web.Response:
+    """Multipart: ``result`` (signed RoundResult), ``model`` and ``outer_state`` blobs."""
+    ledger = request.app[LEDGER]
+    reader = await request.multipart()
+    raw = await read_part_bytes(await next_part(reader, "result"), 16 * MAX_MESSAGE_BYTES)
+    signed = open_signed(decode_canonical(raw, max_bytes=16 * MAX_MESSAGE_BYTES), RoundResult)
+    request[SIGNER] = signed.signer
+    res = signed.message
+    if res.run_id != request.match_info["run_id"] or res.round != path_round(request):
+        raise RejectedInput("result run or round differs from the URL", "wrong_round")
+    await ledger.read(lambda s: ledger.store.get_spec(s, res.run_id))
+    cert = res.certified_state
+    for name, expected, kind in (("model", cert.model_hash, "model"),
+                                 ("outer_state", cert.outer_state_hash, "outer_state")):
+        digest, size = await stream_part_to_blob(
+            ledger, await next_part(reader, name), MAX_MODEL_BYTES, expected)
+        await ledger.write(ledger.store.record_blob, digest, size, kind, res.run_id)
+    return web.json_response(await ledger.write(ledger.store.post_result, signed), status=201)
+
+
+@routes.get("/v1/runs/{run_id}/rounds/{round}/results")
+async def get_results(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(
+        queries.round_results, request.match_info["run_id"], path_round(request)))
+
+
+@routes.get("/v1/runs/{run_id}/participants")
+async def get_participants(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(queries.participants,
+                                               request.match_info["run_id"]))
+
+
+@routes.post("/v1/runs/{run_id}/rounds/{round}/beacon")
+async def post_beacon_share(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    signed = open_signed(await read_message(request), BeaconShare)
+    request[SIGNER] = signed.signer
+    msg = signed.message
+    if msg.run_id != request.match_info["run_id"] or msg.round != path_round(request):
+        raise RejectedInput("share run or round differs from the URL", "wrong_round")
+    return web.json_response(await ledger.write(ledger.store.post_beacon_share, signed))
+
+
+@routes.get("/v1/runs/{run_id}/rounds/{round}/beacon")
+async def get_beacon(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(
+        queries.beacon, request.match_info["run_id"], path_round(request)))
+
+
+@routes.get("/v1/blobs/{digest}")
+async def get_blob(request: web.Request) -> web.StreamResponse:
+    ledger = request.app[LEDGER]
+    digest = request.match_info["digest"]
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise EncodingError("blob names are lowercase sha256 hex")
+    visible = await asyncio.get_running_loop().run_in_executor(
+        ledger.readers, ledger.store.blob_visible, digest)
+    if not visible:
+        raise RejectedInput("payload is sealed until its round closes", "sealed")
+    path = ledger.blobs.path_for(digest)
+    if not path.exists():
+        raise RejectedInput(f"blob {digest} is recorded but its file is missing", "not_found")
+    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream",
+                                           "Cache-Control": "public, max-age=31536000, immutable"})
+
+
+@routes.get("/v1/runs/{run_id}/workers/{worker}")
+async def worker_history(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(
+        lambda s: queries.worker_history(
+            s, request.match_info["run_id"], request.match_info["worker"],
+            offset=int_param(request, "offset", 0) or 0,
+            limit=int_param(request, "limit", 100) or 100)))
+
+
+@routes.get("/v1/runs/{run_id}/report")
+async def run_report(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(queries.run_report, request.match_info["run_id"]))
+
+
+@routes.get("/v1/runs/{run_id}/events")
+async def events(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(
+        queries.events_page, request.match_info["run_id"],
+        int_param(request, "after", -1), int_param(request, "limit", 500)))
+
+
+@routes.get("/v1/runs/{run_id}/rejections")
+async def rejections(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(
+        lambda s: queries.rejections_page(
+            s, request.match_info["run_id"], round_index=int_param(request, "round"),
+            signer=request.query.get("signer"), reason=request.query.get("reason"),
+            offset=int_param(request, "offset", 0) or 0,
+            limit=int_param(request, "limit", 100) or 100)))
+
+
+# ----------------------------------------------------------------------------- app
+
+
+async def _ticker(app: web.Application) -> AsyncIterator[None]:
+    ledger = app[LEDGER]
+
+    async def loop() -> None:
+        while True:
+            try:
+                for run_id, r, action in await ledger.write(ledger.store.tick):
+                    log.info("run %s round %d: %s", run_id, r, action)
+            except Exception:
+                log.exception("round tick failed")
+            await asyncio.sleep(ledger.config.tick_seconds)
+
+    task = asyncio.create_task(loop())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    ledger.writer.shutdown(wait=True)
+    ledger.readers.shutdown(wait=True)
+    ledger.store.engine.dispose()
+
+
+def make_app(config: LedgerConfig, identity: Identity) -> web.Application:
+    """Build the ledger application (the store and blob directory live under ``data_dir``)."""
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(
+        store=LedgerStore(config.db_url, identity),
+        blobs=BlobStore(config.data_dir / "blobs"),
+        config=config,
+        writer=ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer"),
+        readers=ThreadPoolExecutor(max_workers=4, thread_name_prefix="ledger-reader"),
+    )
+    app = web.Application(client_max_size=MAX_MESSAGE_BYTES, middlewares=[problems_middleware])
+    app[LEDGER] = ledger
+    app.add_routes(routes)
+    app.cleanup_ctx.append(_ticker)
+    return app

@@ -1,0 +1,488 @@
+"""Ledger state transitions over a SQLAlchemy session.
+
+Each public method is one transaction: it checks its input, appends the
+hash-chained event(s) and updates the query tables together, so a crash
+leaves either all of a write or none of it. Methods are synchronous; the HTTP
+server runs them on one writer thread, which also serializes the chain.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import create_engine, event, func, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+from veritrain.protocol import bls
+from veritrain.protocol.beacon import beacon_root, beacon_seed_of
+from veritrain.protocol.encoding import decode_canonical, encode_canonical
+from veritrain.protocol.errors import RejectedInput
+from veritrain.protocol.identity import Identity
+from veritrain.protocol.messages import (
+    BeaconShare,
+    Receipt,
+    Registration,
+    RoundResult,
+    RunSpec,
+    Signed,
+    Submission,
+    digest_of,
+    open_signed,
+    sign,
+)
+from veritrain.protocol.rules import SubmissionContext, check_submission
+from veritrain.protocol.schedule import Action, RoundStatus, RoundView, next_action
+
+from . import schema as t
+from .chain import GENESIS_HASH, compute_event_hash, event_signing_root
+
+
+class NotFound(RejectedInput):
+    reason = "not_found"
+
+
+class Conflict(RejectedInput):
+    reason = "duplicate"
+
+
+class WrongState(RejectedInput):
+    reason = "wrong_state"
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for ``url``; SQLite files get WAL, full sync and foreign keys."""
+    engine = create_engine(url, future=True)
+    if engine.dialect.name == "sqlite":
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=FULL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=10000")
+            cur.close()
+
+    return engine
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """A quorum of validators' BLS signatures over one certified state."""
+
+    certified: dict[str, Any]
+    signers: list[int]
+    signature: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"certified": self.certified, "signers": self.signers, "signature": self.signature}
+
+
+class LedgerStore:
+    def __init__(self, url: str, identity: Identity, clock: Callable[[], float] = time.time):
+        self.engine = make_engine(url)
+        t.Base.metadata.create_all(self.engine)
+        self.sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self.identity = identity
+        self.clock = clock
+
+    # ----------------------------------------------------------------- chain
+
+    def _append(self, s: Session, run_id: str, kind: str, body: bytes) -> t.Event:
+        last = s.execute(
+            select(t.Event).where(t.Event.run_id == run_id).order_by(t.Event.seq.desc()).limit(1)
+        ).scalar_one_or_none()
+        seq = 0 if last is None else last.seq + 1
+        prev = GENESIS_HASH if last is None else last.hash
+        digest = compute_event_hash(prev, seq, kind, body)
+        sig = self.identity.sign_ed25519(event_signing_root(run_id, seq, digest)).hex()
+        row = t.Event(
+            run_id=run_id, seq=seq, kind=kind, body=body, prev_hash=prev, hash=digest,
+            ledger_signature=sig,
+        )
+        s.add(row)
+        s.flush()
+        return row
+
+    def _ledger_event(self, s: Session, run_id: str, kind: str, body: dict[str, Any]) -> None:
+        self._append(s, run_id, kind, encode_canonical({"kind": kind, **body}))
+
+    # ----------------------------------------------------------------- runs
+
+    def get_spec(self, s: Session, run_id: str) -> RunSpec:
+        run = s.get(t.Run, run_id)
+        if run is None:
+            raise NotFound(f"no run {run_id!r}")
+        return open_signed(decode_canonical(run.spec), RunSpec).message
+
+    def create_run(self, signed: Signed[RunSpec]) -> None:
+        spec = signed.message
+        if signed.signer != spec.organiser:
+            raise RejectedInput("run spec not signed by its organiser", "bad_signature")
+        if spec.quorum > len(spec.validators) or not spec.validators:
+            raise RejectedInput("quorum larger than the validator set", "malformed")
+        keys = [v["ed25519"] for v in spec.validators]
+        if len(set(keys)) != len(keys) or len({v["bls"] for v in spec.validators}) != len(keys):
+            raise RejectedInput("validator keys repeat", "malformed")
+        for v in spec.validators:
+            if not bls.verify_possession(bytes.fromhex(v["bls"]), bytes.fromhex(v["bls_pop"])):
+                raise RejectedInput(
+                    f"validator {v['ed25519'][:12]} has no valid BLS proof of possession",
+                    "bad_signature",
+                )
+        now = self.clock()
+        with self.sessions.begin() as s:
+            if s.get(t.Run, spec.run_id) is not None:
+                raise Conflict(f"run {spec.run_id!r} exists")
+            for digest in (spec.dataset_hash, spec.genesis_model_hash):
+                if s.get(t.Blob, digest) is None:
+                    raise RejectedInput(f"blob {digest[:12]} was not uploaded", "missing_payload")
+            s.add(t.Run(run_id=spec.run_id, organiser=spec.organiser, spec=signed.encode(),
+                        created_at=now))
+            s.flush()
+            self._append(s, spec.run_id, "run_spec", signed.encode())
+            for v in spec.validators:
+                s.add(t.Participant(run_id=spec.run_id, pubkey=v["ed25519"], role="validator",
+                                    registered_at=now, registered_round=0))
+            self._open_round(s, spec, 0, spec.genesis_model_hash, None, now)
+
+    def _open_round(
+        self, s: Session, spec: RunSpec, r: int, base: str, outer: str | None, now: float
+    ) -> None:
+        deadline = now + spec.schedule["round_seconds"]
+        s.add(t.Round(run_id=spec.run_id, round=r, status=RoundStatus.OPEN.value,
+                      base_model_hash=base, outer_state_hash=outer, opened_at=now,
+                      deadline=deadline))
+        self._ledger_event(s, spec.run_id, "round_opened", {
+            "run_id": spec.run_id, "round": r, "base_model_hash": base,
+            "outer_state_hash": outer, "opened_at": now, "deadline": deadline})
+
+    # ----------------------------------------------------------------- blobs
+
+    def record_blob(self, digest: str, size: int, kind: str, run_id: str | None,
+                    sealed_round: int | None = None) -> None:
+        with self.sessions.begin() as s:
+            if s.get(t.Blob, digest) is None:
+                s.add(t.Blob(sha256=digest, size=size, kind=kind, run_id=run_id,
+                             sealed_round=sealed_round, created_at=self.clock()))
+
+    def blob_visible(self, digest: str) -> bool:
+        """Payload blobs are sealed until their round closes, so nobody can copy them."""
+        with self.sessions() as s:
+            blob = s.get(t.Blob, digest)
+            if blob is None:
+                raise NotFound(f"no blob {digest}")
+            if blob.sealed_round is None or blob.run_id is None:
+                return True
+            rnd = s.get(t.Round, (blob.run_id, blob.sealed_round))
+            return rnd is not None and rnd.status != RoundStatus.OPEN.value
+
+    # ----------------------------------------------------------------- participants
+
+    def register(self, signed: Signed[Registration]) -> dict[str, Any]:
+        reg = signed.message
+        if signed.signer != reg.participant:
+            raise RejectedInput("registration signed by another key", "bad_signature")
+        with self.sessions.begin() as s:
+            self.get_spec(s, reg.run_id)
+            existing = s.execute(select(t.Participant).where(
+                t.Participant.run_id == reg.run_id, t.Participant.pubkey == reg.participant
+            )).scalar_one_or_none()
+            if existing is not None:
+                return {"participant": existing.pubkey, "role": existing.role,
+                        "registered_round": existing.registered_round, "new": False}
+            current = self._current_round(s, reg.run_id)
+            s.add(t.Participant(run_id=reg.run_id, pubkey=reg.participant, role=reg.role,
+                                registered_at=self.clock(), registered_round=current.round,
+                                registration=signed.encode()))
+            self._append(s, reg.run_id, "registration", signed.encode())
+            return {"participant": reg.participant, "role": reg.role,
+                    "registered_round": current.round, "new": True}
+
+    def _participant(self, s: Session, run_id: str, pubkey: str) -> t.Participant | None:
+        return s.execute(select(t.Participant).where(
+            t.Participant.run_id == run_id, t.Participant.pubkey == pubkey
+        )).scalar_one_or_none()
+
+    # ----------------------------------------------------------------- rounds
+
+    def _current_round(self, s: Session, run_id: str) -> t.Round:
+        row = s.execute(select(t.Round).where(t.Round.run_id == run_id)
+                        .order_by(t.Round.round.desc()).limit(1)).scalar_one_or_none()
+        if row is None:
+            raise NotFound(f"run {run_id!r} has no rounds")
+        return row
+
+    def _round(self, s: Session, run_id: str, r: int) -> t.Round:
+        row = s.get(t.Round, (run_id, r))
+        if row is None:
+            raise NotFound(f"run {run_id!r} has no round {r}")
+        return row
+
+    def _active_workers(self, s: Session, run_id: str, r: int) -> int:
+        return s.execute(select(func.count()).select_from(t.Participant).where(
+            t.Participant.run_id == run_id, t.Participant.role == "worker",
+            t.Participant.banned_until_round < r)).scalar_one()
+
+    def tick(self) -> list[tuple[str, int, str]]:
+        """Close or extend open rounds whose time has come; returns what it did."""
+        now = self.clock()
+        done: list[tuple[str, int, str]] = []
+        with self.sessions.begin() as s:
+            for rnd in s.execute(select(t.Round).where(
+                    t.Round.status == RoundStatus.OPEN.value)).scalars().all():
+                spec = self.get_spec(s, rnd.run_id)
+                action = next_action(self._view(s, rnd), now,
+                                     min_submissions=spec.schedule["min_submissions"])
+                if action is Action.CLOSE:
+                    self._close(s, rnd, now)
+                elif action is Action.EXTEND:
+                    rnd.deadline = now + spec.schedule["round_seconds"]
+                    rnd.extensions += 1
+                    self._ledger_event(s, rnd.run_id, "round_extended", {
+                        "run_id": rnd.run_id, "round": rnd.round, "deadline": rnd.deadline,
+                        "submissions": self._count_submissions(s, rnd),
+                        "min_submissions": spec.schedule["min_submissions"]})
+                if action is not Action.NONE:
+                    done.append((rnd.run_id, rnd.round, action.value))
+        return done
+
+    def _count_submissions(self, s: Session, rnd: t.Round) -> int:
+        return s.execute(select(func.count()).select_from(t.Submission).where(
+            t.Submission.run_id == rnd.run_id, t.Submission.round == rnd.round)).scalar_one()
+
+    def _view(self, s: Session, rnd: t.Round) -> RoundView:
+        return RoundView(RoundStatus(rnd.status), rnd.deadline, self._count_submissions(s, rnd),
+                         self._active_workers(s, rnd.run_id, rnd.round))
+
+    def _close(self, s: Session, rnd: t.Round, now: float) -> None:
+        rnd.status = RoundStatus.CLOSED.value
+        rnd.closed_at = now
+        digests = s.execute(select(t.Submission.digest).where(
+            t.Submission.run_id == rnd.run_id, t.Submission.round == rnd.round)
+            .order_by(t.Submission.worker)).scalars().all()
+        self._ledger_event(s, rnd.run_id, "round_closed", {
+            "run_id": rnd.run_id, "round": rnd.round, "closed_at": now,
+            "submissions": list(digests)})
+
+    # ----------------------------------------------------------------- submissions
+
+    def submission_context(self, s: Session, run_id: str, r: int, worker: str
+                           ) -> tuple[RunSpec, t.Round, SubmissionContext]:
+        spec = self.get_spec(s, run_id)
+        current = self._current_round(s, run_id)
+        part = self._participant(s, run_id, worker)
+        ctx = SubmissionContext(
+            spec=spec,
+            round=current.round if current.status == RoundStatus.OPEN.value else -1,
+            base_model_hash=current.base_model_hash,
+            worker_registered=part is not None and part.role == "worker",
+            worker_banned=part is not None and part.banned_until_round >= current.round,
+        )
+        return spec, current, ctx
+
+    def precheck_submission(self, signed: Signed[Submission]) -> None:
+        """The checks that need no payload: done before the payload is read."""
+        sub = signed.message
+        with self.sessions() as s:
+            _, _, ctx = self.submission_context(s, sub.run_id, sub.round, sub.worker)
+            check_submission(signed, ctx)
+            if self._has_submission(s, sub.run_id, sub.round, sub.worker):
+                raise Conflict("this worker already submitted for this round")
+
+    def _has_submission(self, s: Session, run_id: str, r: int, worker: str) -> bool:
+        return s.execute(select(t.Submission.id).where(
+            t.Submission.run_id == run_id, t.Submission.round == r,
+            t.Submission.worker == worker)).first() is not None
+
+    def accept_submission(self, signed: Signed[Submission], payload_hash: str,
+                          payload_size: int) -> Signed[Receipt]:
+        """Record a submission whose payload is stored; returns the ledger's receipt."""
+        sub = signed.message
+        now = self.clock()
+        if payload_hash != sub.payload_hash or payload_size != sub.payload_bytes:
+            raise RejectedInput("payload differs from the envelope's hash or size",
+                                "payload_mismatch")
+        try:
+            with self.sessions.begin() as s:
+                _, current, ctx = self.submission_context(s, sub.run_id, sub.round, sub.worker)
+                check_submission(signed, ctx)
+                if self._has_submission(s, sub.run_id, sub.round, sub.worker):
+                    raise Conflict("this worker already submitted for this round")
+                if s.get(t.Blob, payload_hash) is None:
+                    s.add(t.Blob(sha256=payload_hash, size=payload_size, kind="payload",
+                                 run_id=sub.run_id, sealed_round=sub.round, created_at=now))
+                ev = self._append(s, sub.run_id, "submission", signed.encode())
+                receipt = sign(self.identity, Receipt(
+                    run_id=sub.run_id, round=sub.round, worker=sub.worker,
+                    submission_digest=signed.digest, received_at=now, sequence=ev.seq))
+                s.add(t.Submission(
+                    run_id=sub.run_id, round=sub.round, worker=sub.worker, digest=signed.digest,
+                    envelope=signed.encode(), payload_hash=payload_hash,
+                    payload_bytes=payload_size, samples=sub.samples, received_at=now,
+                    receipt=receipt.encode()))
+                self._append(s, sub.run_id, "receipt", receipt.encode())
+                view = self._view(s, current)
+                if next_action(view, now, min_submissions=ctx.spec.schedule["min_submissions"]
+                               ) is Action.CLOSE:
+                    self._close(s, current, now)
+                return receipt
+        except IntegrityError as exc:
+            raise Conflict("this submission is already recorded") from exc
+
+    def sealed_submissions(self, run_id: str, r: int) -> list[bytes]:
+        """The fixed submission list of a closed round, ordered by worker key."""
+        with self.sessions() as s:
+            rnd = self._round(s, run_id, r)
+            if rnd.status == RoundStatus.OPEN.value:
+                raise WrongState(f"round {r} is still open: submissions are sealed")
+            return list(s.execute(select(t.Submission.envelope).where(
+                t.Submission.run_id == run_id, t.Submission.round == r)
+                .order_by(t.Submission.worker)).scalars().all())
+
+    # ----------------------------------------------------------------- beacon
+
+    def post_beacon_share(self, signed: Signed[BeaconShare]) -> dict[str, Any]:
+        """Collect validators' beacon shares after close; fix the first quorum to arrive."""
+        msg = signed.message
+        with self.sessions.begin() as s:
+            spec = self.get_spec(s, msg.run_id)
+            idx = spec.validator_index(signed.signer)
+            if idx is None or signed.signer != msg.validator:
+                raise RejectedInput("share not signed by a validator of this run",
+                                    "unknown_validator")
+            rnd = self._round(s, msg.run_id, msg.round)
+            if rnd.status == RoundStatus.OPEN.value:
+                raise WrongState("beacon shares are taken only after the round closes")
+            if not bls.verify(bytes.fromhex(spec.validators[idx]["bls"]),
+                              beacon_root(msg.run_id, msg.round), bytes.fromhex(msg.share)):
+                raise RejectedInput("beacon share does not verify", "bad_signature")
+            if rnd.beacon is not None:
+                return {"beacon": decode_canonical(rnd.beacon)}
+            known = {row.validator_index for row in s.execute(select(t.BeaconShareRow).where(
+                t.BeaconShareRow.run_id == msg.run_id, t.BeaconShareRow.round == msg.round)
+            ).scalars()}
+            if idx not in known:
+                s.add(t.BeaconShareRow(run_id=msg.run_id, round=msg.round, validator_index=idx,
+                                       share=msg.share))
+                self._append(s, msg.run_id, "beacon_share", signed.encode())
+                s.flush()
+            rows = s.execute(select(t.BeaconShareRow).where(
+                t.BeaconShareRow.run_id == msg.run_id, t.BeaconShareRow.round == msg.round)
+                .order_by(t.BeaconShareRow.id)).scalars().all()
+            if len(rows) < spec.quorum:
+                return {"beacon": None, "shares": len(rows)}
+            chosen = sorted(rows[: spec.quorum], key=lambda row: row.validator_index)
+            beacon = {"signers": [row.validator_index for row in chosen],
+                      "shares": [row.share for row in chosen]}
+            rnd.beacon = encode_canonical(beacon)
+            self._ledger_event(s, msg.run_id, "beacon_fixed", {
+                "run_id": msg.run_id, "round": msg.round, **beacon})
+            return {"beacon": beacon}
+
+    # ----------------------------------------------------------------- results
+
+    def post_result(self, signed: Signed[RoundResult]) -> dict[str, Any]:
+        """Record one validator's result; finalize the round once a quorum agrees."""
+        res = signed.message
+        cert = res.certified_state
+        with self.sessions.begin() as s:
+            spec = self.get_spec(s, res.run_id)
+            idx = spec.validator_index(signed.signer)
+            if idx is None or signed.signer != res.validator:
+                raise RejectedInput("result not signed by a validator of this run",
+                                    "unknown_validator")
+            rnd = self._round(s, res.run_id, res.round)
+            if rnd.status == RoundStatus.OPEN.value:
+                raise WrongState(f"round {res.round} is still open")
+            if res.base_model_hash != rnd.base_model_hash or cert.round != res.round + 1:
+                raise RejectedInput("result is for another base model or round", "wrong_round")
+            if cert.verdicts_hash != digest_of(res.verdicts) or cert.scores_hash != digest_of(
+                    res.scores):
+                raise RejectedInput("verdict or score digest mismatch", "malformed")
+            for digest in (cert.model_hash, cert.outer_state_hash):
+                if s.get(t.Blob, digest) is None:
+                    raise RejectedInput(f"blob {digest[:12]} was not uploaded", "missing_payload")
+            vinfo = spec.validators[idx]
+            vkey = bytes.fromhex(vinfo["bls"])
+            if not bls.verify(vkey, cert.signing_root(), bytes.fromhex(res.attestation)):
+                raise RejectedInput("BLS attestation does not verify", "bad_signature")
+            if rnd.beacon is None or res.beacon_seed != beacon_seed_of(rnd.beacon):
+                raise RejectedInput("result uses another beacon than the round's", "wrong_beacon")
+            existing = s.execute(select(t.RoundResultRow).where(
+                t.RoundResultRow.run_id == res.run_id, t.RoundResultRow.round == res.round,
+                t.RoundResultRow.validator == res.validator)).scalar_one_or_none()
+            if existing is not None:
+                raise Conflict("this validator already posted a result for this round")
+            certified_digest = digest_of(cert.to_body())
+            s.add(t.RoundResultRow(run_id=res.run_id, round=res.round, validator=res.validator,
+                                   certified_digest=certified_digest, body=signed.encode(),
+                                   received_at=self.clock()))
+            self._append(s, res.run_id, "round_result", signed.encode())
+            s.flush()
+            if rnd.status == RoundStatus.FINALIZED.value:
+                return {"status": "finalized", "certificate": False}
+            agreeing = [
+                open_signed(decode_canonical(row.body), RoundResult).message
+                for row in s.execute(select(t.RoundResultRow).where(
+                    t.RoundResultRow.run_id == res.run_id, t.RoundResultRow.round == res.round,
+                    t.RoundResultRow.certified_digest == certified_digest)).scalars().all()
+            ]
+            if len(agreeing) < spec.quorum:
+                return {"status": "closed", "certificate": False, "attestations": len(agreeing)}
+            self._finalize(s, spec, rnd, res, agreeing)
+            return {"status": "finalized", "certificate": True}
+
+    def _finalize(self, s: Session, spec: RunSpec, rnd: t.Round, res: RoundResult,
+                  agreeing: list[RoundResult]) -> None:
+        now = self.clock()
+        by_index = sorted((spec.validator_index(a.validator) or 0, a) for a in agreeing)
+        chosen = by_index[: spec.quorum]
+        certificate = Certificate(
+            certified=res.certified,
+            signers=[i for i, _ in chosen],
+            signature=bls.aggregate([bytes.fromhex(a.attestation) for _, a in chosen]).hex(),
+        )
+        cert = res.certified_state
+        rnd.status = RoundStatus.FINALIZED.value
+        rnd.finalized_at = now
+        rnd.certificate = encode_canonical(certificate.to_json())
+        rnd.eval_loss = cert.eval_loss
+        scores = {sc["worker"]: sc for sc in res.scores}
+        for v in res.verdicts:
+            sc = scores.get(v["worker"], {})
+            s.add(t.Verdict(
+                run_id=res.run_id, round=res.round, worker=v["worker"], status=v["status"],
+                reason=v["reason"], detail=v["detail"], spot_checked=v["spot_checked"],
+                distance=v["distance"], samples=sc.get("samples", 0),
+                quality=sc.get("quality", 0.0), score=sc.get("score", 0.0),
+                reward=sc.get("reward", 0.0)))
+            if v["reason"] == "spot_check_failed" and spec.verification["ban_rounds"] > 0:
+                part = self._participant(s, res.run_id, v["worker"])
+                if part is not None:
+                    part.banned_until_round = res.round + spec.verification["ban_rounds"]
+                    self._ledger_event(s, res.run_id, "ban", {
+                        "run_id": res.run_id, "round": res.round, "worker": v["worker"],
+                        "until_round": part.banned_until_round, "reason": v["reason"]})
+        self._ledger_event(s, res.run_id, "round_finalized", {
+            "run_id": res.run_id, "round": res.round, "certificate": certificate.to_json()})
+        if cert.round >= spec.schedule["max_rounds"]:
+            run = s.get(t.Run, res.run_id)
+            assert run is not None
+            run.status = "finished"
+            self._ledger_event(s, res.run_id, "run_finished", {
+                "run_id": res.run_id, "rounds": cert.round})
+        else:
+            self._open_round(s, spec, cert.round, cert.model_hash, cert.outer_state_hash, now)
+
+    # ----------------------------------------------------------------- rejections
+
+    def record_rejection(self, run_id: str, r: int | None, signer: str | None, endpoint: str,
+                         reason: str, detail: str) -> None:
+        with self.sessions.begin() as s:
+            s.add(t.Rejection(run_id=run_id[:64], round=r, signer=signer, endpoint=endpoint,
+                              reason=reason[:64], detail=detail[:500], at=self.clock()))
