@@ -121,9 +121,14 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"    round {rej['round']}: {rej['reason']} ({rej['detail']})")
     if report["rejections"]:
         lines += ["", "refused at the ledger's door:"]
+        grouped: dict[tuple[str, str], list[Any]] = {}
         for x in report["rejections"]:
-            who = (x["signer"] or "?")[:12]
-            lines.append(f"    round {x['round']}: {who} {x['reason']} ({x['detail']})")
+            grouped.setdefault(((x["signer"] or "?")[:12], x["reason"]), []).append(x)
+        for (who, reason), xs in grouped.items():
+            rounds = sorted({x["round"] for x in xs if x["round"] is not None})
+            where = f"rounds {rounds[0]}-{rounds[-1]}" if len(rounds) > 1 else (
+                f"round {rounds[0]}" if rounds else "no round")
+            lines.append(f"    {who} {reason} x{len(xs)} ({where}): {xs[0]['detail']}")
     return "\n".join(lines)
 
 

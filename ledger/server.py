@@ -107,6 +107,8 @@ async def problems_middleware(
         ledger = request.app[LEDGER]
         run_id = request.match_info.get("run_id", "")
         round_txt = request.match_info.get("round", "")
+        if request.method in ("GET", "HEAD"):
+            return problem(status, exc.reason, str(exc))
         with contextlib.suppress(Exception):
             await ledger.write(
                 ledger.store.record_rejection, run_id,

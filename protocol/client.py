@@ -1,0 +1,152 @@
+"""Async HTTP client for the ledger API, with retries and backoff.
+
+Transient failures (connection refused or reset, timeouts, 429, 5xx) are
+retried with exponential backoff and jitter until ``retry_for`` seconds have
+passed; refusals (other 4xx) raise :class:`LedgerRefused` at once with the
+problem's ``reason``. Downloaded blobs are checked against their content hash
+and a size bound before they are returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aiohttp
+
+from .encoding import encode_canonical
+from .errors import OversizedError, PayloadError
+
+log = logging.getLogger("veritrain.client")
+
+T = TypeVar("T")
+
+
+class LedgerRefused(Exception):
+    """The ledger answered with a client error: retrying will not help."""
+
+    def __init__(self, status: int, reason: str, detail: str) -> None:
+        super().__init__(f"{status} {reason}: {detail}")
+        self.status = status
+        self.reason = reason
+        self.detail = detail
+
+
+class LedgerUnavailable(Exception):
+    """The ledger stayed unreachable for the whole retry budget."""
+
+
+class _Transient(Exception):
+    pass
+
+
+class LedgerClient:
+    def __init__(self, base_url: str, *, retry_for: float = 300.0, timeout: float = 120.0,
+                 backoff_max: float = 10.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.retry_for = retry_for
+        self.backoff_max = backoff_max
+        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=10)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> LedgerClient:
+        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("use LedgerClient as an async context manager")
+        return self._session
+
+    async def _retrying(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        deadline = time.monotonic() + self.retry_for
+        delay = 0.2
+        while True:
+            try:
+                return await attempt()
+            except (TimeoutError, aiohttp.ClientConnectionError, _Transient) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise LedgerUnavailable(f"{what}: ledger unreachable ({exc})") from exc
+                log.warning("%s failed (%s); retrying in %.1fs", what, exc, delay)
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, self.backoff_max)
+
+    @staticmethod
+    async def _check(resp: aiohttp.ClientResponse) -> None:
+        if resp.status < 400:
+            return
+        text = await resp.text()
+        if resp.status == 429 or resp.status >= 500:
+            raise _Transient(f"HTTP {resp.status}")
+        try:
+            body = json.loads(text)
+            raise LedgerRefused(resp.status, str(body.get("reason")), str(body.get("detail")))
+        except (ValueError, AttributeError):
+            raise LedgerRefused(resp.status, "http_error", text[:200]) from None
+
+    async def get_json(self, path: str) -> Any:
+        async def attempt() -> Any:
+            async with self.session.get(self.base_url + path) as resp:
+                await self._check(resp)
+                return await resp.json()
+
+        return await self._retrying(f"GET {path}", attempt)
+
+    async def post_message(self, path: str, wire: Any) -> Any:
+        body = encode_canonical(wire)
+
+        async def attempt() -> Any:
+            async with self.session.post(self.base_url + path, data=body,
+                                         headers={"Content-Type": "application/json"}) as resp:
+                await self._check(resp)
+                return await resp.json()
+
+        return await self._retrying(f"POST {path}", attempt)
+
+    async def post_multipart(self, path: str, parts: list[tuple[str, bytes, str]]) -> Any:
+        """POST named parts in order: (name, bytes, content type)."""
+
+        async def attempt() -> Any:
+            with aiohttp.MultipartWriter("form-data") as mp:
+                for name, data, ctype in parts:
+                    part = mp.append(data, {"Content-Type": ctype})
+                    part.set_content_disposition("form-data", name=name)
+                async with self.session.post(self.base_url + path, data=mp) as resp:
+                    await self._check(resp)
+                    return await resp.json()
+
+        return await self._retrying(f"POST {path}", attempt)
+
+    async def get_blob(self, digest: str, *, max_bytes: int) -> bytes:
+        """Download a content-addressed blob, refusing oversized or mismatched content."""
+
+        async def attempt() -> bytes:
+            async with self.session.get(f"{self.base_url}/v1/blobs/{digest}") as resp:
+                await self._check(resp)
+                if resp.content_length is not None and resp.content_length > max_bytes:
+                    raise OversizedError(f"blob {digest[:12]} is larger than {max_bytes} bytes")
+                h = hashlib.sha256()
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise OversizedError(f"blob {digest[:12]} exceeds {max_bytes} bytes")
+                    h.update(chunk)
+                    chunks.append(chunk)
+                if h.hexdigest() != digest:
+                    raise PayloadError(f"blob {digest[:12]} does not match its content hash")
+                return b"".join(chunks)
+
+        return await self._retrying(f"GET blob {digest[:12]}", attempt)

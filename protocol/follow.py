@@ -1,0 +1,57 @@
+"""Following a run over HTTP: the checks every node makes before trusting data.
+
+A node never adopts a run spec without the organiser's signature, nor a model
+without the certificate that vouches for it (the genesis model is vouched for
+by the signed spec itself).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .certificates import verify_certificate
+from .client import LedgerClient
+from .errors import RejectedInput
+from .messages import RunSpec, open_signed
+from .runtime import RunContext
+
+
+async def fetch_run(client: LedgerClient, run_id: str | None) -> RunSpec:
+    """The run's spec, with the organiser's signature checked."""
+    if run_id is None:
+        runs = (await client.get_json("/v1/ledger"))["runs"]
+        active = [r["run_id"] for r in runs if r["status"] == "active"]
+        if len(active) != 1:
+            raise SystemExit(f"ledger has {len(active)} active runs; pass --run")
+        run_id = active[0]
+    overview = await client.get_json(f"/v1/runs/{run_id}")
+    signed = open_signed(overview["spec"], RunSpec)
+    if signed.signer != signed.message.organiser:
+        raise RejectedInput("run spec is not signed by its organiser", "bad_signature")
+    return signed.message
+
+
+async def fetch_base(client: LedgerClient, run: RunContext, info: dict[str, Any]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Base model and outer momentum of a round, checked against its certificate."""
+    r = info["round"]
+    if r == 0:
+        if info["base_model_hash"] != run.spec.genesis_model_hash:
+            raise RejectedInput("round 0 does not start from the genesis model", "invalid_base")
+        momentum_hash = None
+    else:
+        state = verify_certificate(info["base_certificate"], run.spec, base_of_round=r)
+        if (state.model_hash, state.outer_state_hash) != (
+                info["base_model_hash"], info["outer_state_hash"]):
+            raise RejectedInput("round's base differs from its certificate", "invalid_base")
+        momentum_hash = state.outer_state_hash
+    flat = run.decode_model(await client.get_blob(info["base_model_hash"],
+                                                  max_bytes=run.max_model_bytes))
+    if momentum_hash is None:
+        momentum = torch.zeros_like(flat)
+    else:
+        momentum = run.decode_model(await client.get_blob(momentum_hash,
+                                                          max_bytes=run.max_model_bytes))
+    return flat, momentum

@@ -1,0 +1,88 @@
+"""Run creation: from settings to a signed run spec, dataset blob and genesis model."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .client import LedgerClient
+from .identity import Identity, PublicIdentity
+from .messages import RunSpec, Signed, sign
+from .tasks import TASK_PRESETS, load_task
+from .tensors import encode_flat, flatten_params, numel_of, param_shapes, sha256_hex
+
+
+@dataclass
+class RunBundle:
+    """What the organiser uploads to create a run."""
+
+    signed: Signed[RunSpec]
+    dataset: bytes
+    genesis: bytes
+
+
+def task_params(task: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Resolve ``{"name", "preset"?, "params"?}`` to a task name and full parameters."""
+    name = task["name"]
+    params: dict[str, Any] = {}
+    if task.get("preset"):
+        params.update(TASK_PRESETS[name][task["preset"]])
+    params.update(task.get("params") or {})
+    return name, load_task(name, params).params
+
+
+def build_run(
+    organiser: Identity,
+    run_id: str,
+    settings: dict[str, Any],
+    validators: list[PublicIdentity],
+    *,
+    quorum: int | None = None,
+    seed: str | None = None,
+) -> RunBundle:
+    """Pack the dataset, build the genesis model and sign the spec."""
+    if not validators:
+        raise ValueError("a run needs at least one validator")
+    name, params = task_params(settings["task"])
+    task = load_task(name, params)
+    dataset = task.pack_dataset()
+    model = task.make_model()
+    shapes = param_shapes(model)
+    genesis = encode_flat(flatten_params(model), shapes)
+    n = len(validators)
+    spec = RunSpec(
+        run_id=run_id,
+        round=0,
+        created_at=int(time.time()),
+        organiser=organiser.public_key.hex(),
+        seed=seed or secrets.token_hex(32),
+        task={"name": name, "params": dict(task.params)},
+        dataset_hash=sha256_hex(dataset),
+        dataset_bytes=len(dataset),
+        genesis_model_hash=sha256_hex(genesis),
+        num_params=numel_of(shapes),
+        inner=settings["inner"],
+        outer=settings["outer"],
+        codec=settings["codec"],
+        aggregator=settings["aggregator"],
+        schedule=settings["schedule"],
+        verification=settings["verification"],
+        limits=settings["limits"],
+        rewards=settings["rewards"],
+        validators=[v.to_json() for v in validators],
+        quorum=quorum if quorum is not None else -(-2 * n // 3),  # ceil(2n/3)
+    )
+    RunSpec.from_body(spec.to_body())
+    return RunBundle(sign(organiser, spec), dataset, genesis)
+
+
+async def publish_run(ledger_url: str, bundle: RunBundle) -> dict[str, Any]:
+    """Upload the spec, dataset and genesis model to the ledger (one multipart request)."""
+    async with LedgerClient(ledger_url, retry_for=60.0) as client:
+        return await client.post_multipart(
+            "/v1/runs",
+            [("spec", bundle.signed.encode(), "application/json"),
+             ("dataset", bundle.dataset, "application/octet-stream"),
+             ("genesis", bundle.genesis, "application/octet-stream")])

@@ -1,0 +1,61 @@
+"""Run presets: the reference scales of the project as complete run settings.
+
+``tiny`` is for tests (seconds), ``demo`` for ``veritrain demo`` (minutes on
+two CPU cores), ``bench`` for the benchmarks. Every value can be overridden
+at ``veritrain run create``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+_COMMON: dict[str, Any] = {
+    # DiLoCo's outer optimizer: Nesterov momentum, lr 0.7, mu 0.9.
+    "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+    "codec": {"name": "fp16", "params": {}},
+    # tau_rel: the clipping radius is tau_rel times the median distance of the
+    # updates from their coordinate-wise median, so it follows the update scale.
+    "aggregator": {"name": "centered_clip", "params": {"tau_rel": 1.0, "iterations": 10}},
+    "limits": {"max_payload_bytes": 64 << 20},
+    "rewards": {"per_round": 100.0},
+}
+
+RUN_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        **_COMMON,
+        "task": {"name": "charlm", "preset": "tiny"},
+        "inner": {"steps": 10, "batch_size": 8, "lr": 3e-3, "beta1": 0.9, "beta2": 0.95,
+                  "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0, "trail_every": 5},
+        "schedule": {"round_seconds": 60.0, "min_submissions": 1, "max_rounds": 4},
+        # At the tiny scale every worker is recomputed each round.
+        "verification": {"spot_checks_per_round": 8, "tolerance": 0.02, "norm_factor": 10.0,
+                         "ban_rounds": 3},
+    },
+    "demo": {
+        **_COMMON,
+        "task": {"name": "charlm", "preset": "demo"},
+        "inner": {"steps": 20, "batch_size": 16, "lr": 2e-3, "beta1": 0.9, "beta2": 0.95,
+                  "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0, "trail_every": 5},
+        "schedule": {"round_seconds": 120.0, "min_submissions": 1, "max_rounds": 8},
+        # Half the swarm is recomputed each round: a cheater escapes 8 rounds with p = 2^-8.
+        "verification": {"spot_checks_per_round": 3, "tolerance": 0.02, "norm_factor": 10.0,
+                         "ban_rounds": 100},
+    },
+    "bench": {
+        **_COMMON,
+        "task": {"name": "charlm", "preset": "bench"},
+        "inner": {"steps": 30, "batch_size": 16, "lr": 2e-3, "beta1": 0.9, "beta2": 0.95,
+                  "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0, "trail_every": 5},
+        "schedule": {"round_seconds": 600.0, "min_submissions": 1, "max_rounds": 30},
+        "verification": {"spot_checks_per_round": 1, "tolerance": 0.02, "norm_factor": 10.0,
+                         "ban_rounds": 100},
+    },
+}
+
+
+def run_preset(name: str) -> dict[str, Any]:
+    """A deep copy of a preset's settings (safe to modify)."""
+    if name not in RUN_PRESETS:
+        raise ValueError(f"unknown preset {name!r}; expected one of {sorted(RUN_PRESETS)}")
+    return copy.deepcopy(RUN_PRESETS[name])

@@ -1,0 +1,202 @@
+"""The worker node: join a run, train each round, submit signed payloads.
+
+Each round: read the round from the ledger, check the base model against its
+certificate, derive this worker's data assignment, run H inner steps, encode
+the pseudo-gradient with error feedback, sign and submit it, and keep the
+ledger's signed receipt. Progress survives restarts: receipts and the
+error-feedback residual are written atomically under ``state_dir``, and a
+round that was already submitted is never submitted again.
+
+``attack`` turns the node into one of the cheaters used to evaluate the
+protocol (the demo's free rider and sign flipper); it is not for production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .client import LedgerClient, LedgerRefused
+from .codecs import ErrorFeedback
+from .follow import fetch_base, fetch_run
+from .identity import Identity
+from .messages import Receipt, Registration, Submission, open_signed, sign
+from .runtime import RunContext
+from .tensors import sha256_hex
+
+log = logging.getLogger("veritrain.worker")
+
+ATTACKS = ("free_rider", "sign_flip")
+
+
+@dataclass
+class WorkerConfig:
+    ledger_url: str
+    state_dir: Path
+    run_id: str | None = None
+    device: str = "cpu"
+    poll_seconds: float = 0.5
+    retry_for: float = 300.0
+    attack: str | None = None
+    progress: bool = True
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class WorkerState:
+    """What a worker must remember across restarts, kept as small files."""
+
+    def __init__(self, root: Path, run_id: str, numel: int) -> None:
+        self.dir = root / run_id
+        (self.dir / "receipts").mkdir(parents=True, exist_ok=True)
+        self.numel = numel
+        ef_path = self.dir / "error_feedback.safetensors"
+        self.error_feedback = (ErrorFeedback.from_bytes(ef_path.read_bytes(), numel)
+                               if ef_path.exists() else ErrorFeedback(numel))
+
+    def submitted(self, r: int) -> bool:
+        return (self.dir / "receipts" / f"{r}.json").exists()
+
+    def record(self, r: int, receipt: dict[str, Any] | None, error_feedback: ErrorFeedback) -> None:
+        """Persist the residual first, then the receipt that marks the round done."""
+        _atomic_write(self.dir / "error_feedback.safetensors", error_feedback.to_bytes())
+        self.error_feedback = error_feedback
+        _atomic_write(self.dir / "receipts" / f"{r}.json",
+                      json.dumps(receipt, sort_keys=True).encode())
+
+
+def apply_attack(attack: str | None, delta: torch.Tensor, seed: int) -> torch.Tensor:
+    """The update a cheating worker sends instead of ``delta`` (evaluation only)."""
+    if attack is None:
+        return delta
+    if attack == "sign_flip":
+        return -delta
+    if attack == "free_rider":
+        gen = torch.Generator().manual_seed(seed)
+        noise = torch.randn(delta.shape, generator=gen)
+        return noise * (float(torch.linalg.vector_norm(delta)) / float(torch.linalg.vector_norm(noise)))
+    raise ValueError(f"unknown attack {attack!r}; expected one of {ATTACKS}")
+
+
+class ProgressLine:
+    """A one-line progress bar on a terminal, silent otherwise."""
+
+    def __init__(self, enabled: bool, r: int, total: int) -> None:
+        self.enabled = enabled and sys.stderr.isatty()
+        self.r, self.total = r, total
+
+    def __call__(self, step: int, loss: float) -> None:
+        if self.enabled:
+            done = int(30 * step / self.total)
+            sys.stderr.write(f"\rround {self.r} [{'#' * done}{'.' * (30 - done)}] "
+                             f"{step}/{self.total} loss {loss:.4f}")
+            if step == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+class WorkerNode:
+    def __init__(self, config: WorkerConfig, identity: Identity) -> None:
+        if config.attack is not None and config.attack not in ATTACKS:
+            raise ValueError(f"unknown attack {config.attack!r}; expected one of {ATTACKS}")
+        self.config = config
+        self.identity = identity
+        self.me = identity.public_key.hex()
+        self.refused: set[int] = set()
+        self.ledger_key = ""
+
+    async def run(self, *, max_rounds: int | None = None) -> int:
+        """Train and submit until the run ends (or ``max_rounds`` submissions); returns the count."""
+        async with LedgerClient(self.config.ledger_url, retry_for=self.config.retry_for) as client:
+            spec = await fetch_run(client, self.config.run_id)
+            self.ledger_key = (await client.get_json("/v1/ledger"))["ledger_key"]
+            dataset = await client.get_blob(spec.dataset_hash, max_bytes=spec.dataset_bytes)
+            run = await asyncio.to_thread(RunContext.build, spec, dataset)
+            state = WorkerState(self.config.state_dir, spec.run_id, run.numel)
+            reg = Registration(run_id=spec.run_id, round=0, participant=self.me, role="worker",
+                               created_at=int(time.time()))
+            joined = await client.post_message(f"/v1/runs/{spec.run_id}/participants",
+                                               sign(self.identity, reg).to_wire())
+            log.info("worker %s joined run %s at round %d", self.me[:12], spec.run_id,
+                     joined["registered_round"])
+            submitted = 0
+            while max_rounds is None or submitted < max_rounds:
+                info = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/current")
+                if info["run_status"] != "active":
+                    log.info("run %s is %s after %d submissions", spec.run_id,
+                             info["run_status"], submitted)
+                    break
+                r = info["round"]
+                if info["status"] != "open" or state.submitted(r) or r in self.refused:
+                    await asyncio.sleep(self.config.poll_seconds)
+                    continue
+                if await self.train_and_submit(client, run, state, info):
+                    submitted += 1
+            return submitted
+
+    async def train_and_submit(self, client: LedgerClient, run: RunContext, state: WorkerState,
+                               info: dict[str, Any]) -> bool:
+        spec, r = run.spec, info["round"]
+        base_flat, _ = await fetch_base(client, run, info)
+        base_hash = info["base_model_hash"]
+        started = time.monotonic()
+        if self.config.attack == "free_rider":
+            delta = apply_attack("free_rider", torch.full_like(base_flat, 1e-3),
+                                 run.codec_seed(r, self.me))
+            trail = [sha256_hex(f"{self.me}{r}{i}".encode()) for i in range(len_trail(run))]
+            losses = [0.0, 0.0]
+        else:
+            progress = ProgressLine(self.config.progress, r, run.inner.steps)
+            result = await asyncio.to_thread(run.train, base_flat, r, self.me,
+                                             device=self.config.device, progress=progress)
+            delta = apply_attack(self.config.attack, result.delta, run.codec_seed(r, self.me))
+            trail, losses = result.trail, result.losses
+        ef = ErrorFeedback.from_bytes(state.error_feedback.to_bytes(), run.numel)
+        payload, _ = ef.step(run.codec, delta, seed=run.codec_seed(r, self.me))
+        sub = Submission(
+            run_id=spec.run_id, round=r, worker=self.me, base_model_hash=base_hash,
+            payload_hash=sha256_hex(payload), payload_bytes=len(payload), codec=spec.codec,
+            samples=run.inner.steps * run.inner.batch_size, trail=trail,
+            loss_first=float(losses[0]), loss_last=float(losses[-1]),
+            created_at=int(time.time()))
+        signed = sign(self.identity, sub)
+        try:
+            wire = await client.post_multipart(
+                f"/v1/runs/{spec.run_id}/rounds/{r}/submissions",
+                [("envelope", signed.encode(), "application/json"),
+                 ("payload", payload, "application/octet-stream")])
+        except LedgerRefused as exc:
+            if exc.reason == "duplicate":
+                log.info("round %d was already submitted before a restart", r)
+                state.record(r, None, ef)
+                return False
+            log.warning("round %d: submission refused (%s): %s", r, exc.reason, exc.detail)
+            self.refused.add(r)
+            return False
+        receipt = open_signed(wire, Receipt)
+        if receipt.signer != self.ledger_key or receipt.message.submission_digest != signed.digest:
+            raise RuntimeError("the ledger's receipt is not signed by it or names another submission")
+        state.record(r, wire, ef)
+        log.info("round %d: submitted %d bytes (loss %.4f -> %.4f) in %.1fs", r, len(payload),
+                 losses[0], losses[-1], time.monotonic() - started)
+        return True
+
+
+def len_trail(run: RunContext) -> int:
+    return run.inner.steps // run.inner.trail_every

@@ -1,0 +1,117 @@
+"""End to end with real processes over HTTP on loopback, at the tiny scale.
+
+A ledger, a validator and four workers (two honest, a free rider and a sign
+flipper) run as separate ``veritrain`` processes. Checked afterwards: eval
+loss falls, both cheaters are caught by spot checks and score zero, no honest
+worker is ever rejected, and the ledger's rows match what the nodes did
+(every worker receipt is a stored submission, every submission got exactly
+one verdict, the audit of the whole log passes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from veritrain.ledger.audit import fetch_events, verify_events
+from veritrain.protocol.client import LedgerClient
+from veritrain.protocol.identity import Identity, write_key_file
+from veritrain.protocol.organiser import build_run, publish_run
+from veritrain.protocol.presets import run_preset
+
+from veritrain.local import LocalProcesses
+
+pytestmark = pytest.mark.slow
+
+ROUNDS = 3
+
+
+async def _wait(url: str, run_id: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    async with LedgerClient(url, retry_for=30.0) as client:
+        while time.monotonic() < deadline:
+            report = await client.get_json(f"/v1/runs/{run_id}/report")
+            if report["status"] == "finished":
+                ledger_key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
+                audit = verify_events(await fetch_events(client, run_id), ledger_key)
+                return {"report": report, "audit": audit}
+            await asyncio.sleep(0.5)
+    raise TimeoutError("run did not finish")
+
+
+def test_tiny_run_end_to_end_with_cheaters(tmp_path: Path):
+    keys = {}
+    for name, role in [("validator", "validator"), ("honest-0", "worker"),
+                       ("honest-1", "worker"), ("free_rider", "worker"),
+                       ("sign_flip", "worker")]:
+        ident = Identity.generate(role)
+        write_key_file(tmp_path / f"{name}.key", ident)
+        keys[name] = ident
+    settings = run_preset("tiny")
+    settings["schedule"]["max_rounds"] = ROUNDS
+    bundle = build_run(Identity.generate("organiser"), "e2e", settings,
+                       [keys["validator"].public])
+    procs = LocalProcesses(tmp_path / "logs")
+    try:
+        url = procs.start_ledger(tmp_path / "ledger")
+        asyncio.run(publish_run(url, bundle))
+        procs.start("validator", ["validator", "--ledger", url, "--key",
+                                  str(tmp_path / "validator.key")])
+        for name in ["honest-0", "honest-1", "free_rider", "sign_flip"]:
+            args = ["worker", "--ledger", url, "--key", str(tmp_path / f"{name}.key"),
+                    "--no-progress", "--state-dir", str(tmp_path / "state" / name)]
+            if name in ("free_rider", "sign_flip"):
+                args += ["--attack", name]
+            procs.start(name, args)
+        out = asyncio.run(_wait(url, "e2e", timeout=420))
+    finally:
+        procs.stop_all()
+    report, audit = out["report"], out["audit"]
+    logs = "\n".join(p.read_text()[-2000:] for p in (tmp_path / "logs").glob("*.log"))
+
+    losses = [r["eval_loss"] for r in report["rounds"]]
+    assert len(losses) == ROUNDS and all(x is not None for x in losses), logs
+    from veritrain.protocol.runtime import RunContext
+
+    run = RunContext.build(bundle.signed.message, bundle.dataset)
+    genesis_loss = run.evaluate(run.decode_model(bundle.genesis))
+    assert losses[-1] < genesis_loss - 0.5, (genesis_loss, losses)
+
+    db = sqlite3.connect(tmp_path / "ledger" / "ledger.sqlite")
+    stored = {(w, r, d) for w, r, d in db.execute(
+        "select worker, round, digest from submissions where run_id='e2e'")}
+    rounds_of = {ident.public_key.hex(): sorted(r for w, r, _ in stored
+                                                if w == ident.public_key.hex())
+                 for ident in keys.values()}
+    workers = {w["worker"]: w for w in report["workers"]}
+    for name in ("free_rider", "sign_flip"):
+        key = keys[name].public_key.hex()
+        row = workers[key]
+        # Caught in its very first round, then banned: nothing it sent was accepted.
+        assert row["rejected"][0]["round"] == rounds_of[key][0], row
+        assert row["rejected"][0]["reason"] == "spot_check_failed", row
+        assert row["accepted"] == 0 and row["score"] == 0 and row["reward"] == 0
+        assert row["banned_until_round"] >= ROUNDS - 1
+    for name in ("honest-0", "honest-1"):
+        key = keys[name].public_key.hex()
+        row = workers[key]
+        assert row["rejected"] == [], row
+        assert row["accepted"] == len(rounds_of[key]) >= ROUNDS - 1, row
+        assert row["score"] > 0
+
+    assert audit.ok, audit.problem
+    assert audit.certificates == ROUNDS
+
+    # The ledger's rows match what the nodes did.
+    receipts = set()
+    for name, ident in keys.items():
+        for path in (tmp_path / "state" / name / "e2e" / "receipts").glob("*.json"):
+            body = json.loads(path.read_text())["body"]
+            receipts.add((ident.public_key.hex(), body["round"], body["submission_digest"]))
+    assert receipts and receipts == stored
+    verdicts = list(db.execute("select worker, round from verdicts where run_id='e2e'"))
+    assert sorted(verdicts) == sorted((w, r) for w, r, _ in stored)

@@ -1,0 +1,172 @@
+"""Processing one closed round: the validator's sans-IO core.
+
+    admit -> decode -> spot checks -> norm filter -> robust aggregate
+          -> outer Nesterov step -> eval loss -> verdicts and scores
+
+Everything here is a function of its inputs (the run, the base model and
+momentum, the sealed submissions and the beacon seed), so two honest
+validators reach the same verdicts and the same model bytes, and the node
+that feeds it over HTTP stays thin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from veritrain.aggregation import build_aggregator
+from veritrain.ledger.scoring import compute_scores, split_rewards
+from veritrain.protocol.beacon import derive_seed
+from veritrain.protocol.errors import RejectedInput
+from veritrain.protocol.outer import outer_step
+from veritrain.protocol.runtime import RunContext
+
+from .checks import Candidate, admit, norm_outliers
+from .spotcheck import recompute_distance, select_spot_checks
+
+
+@dataclass
+class RoundOutcome:
+    verdicts: list[dict[str, Any]]
+    scores: list[dict[str, Any]]
+    new_flat: torch.Tensor
+    new_momentum: torch.Tensor
+    eval_loss: float
+    aggregate: torch.Tensor
+    spot_checked: list[str] = field(default_factory=list)
+
+    @property
+    def accepted(self) -> list[str]:
+        return [v["worker"] for v in self.verdicts if v["status"] == "accepted"]
+
+
+def clip_quality(updates: torch.Tensor, aggregate: torch.Tensor, tau: float | None) -> list[float]:
+    """Share of each update that survives clipping at the aggregate: min(1, tau / ||x_i - v||)."""
+    if tau is None:
+        return [1.0] * updates.shape[0]
+    dist = torch.linalg.vector_norm((updates - aggregate).double(), dim=1)
+    return [1.0 if d <= tau else float(tau / d) for d in dist.tolist()]
+
+
+def resolve_aggregator_params(params: dict[str, Any], updates: torch.Tensor) -> dict[str, Any]:
+    """Turn a scale-free ``tau_rel`` into this round's clipping radius.
+
+    tau = tau_rel * median_i ||x_i - med(x)||, with med the coordinate-wise
+    median: the radius follows the size of the honest updates, which
+    changes from round to round, and a Byzantine minority cannot inflate it.
+    """
+    out = dict(params)
+    tau_rel = out.pop("tau_rel", None)
+    if tau_rel is not None:
+        center = updates.median(dim=0).values
+        spread = torch.linalg.vector_norm((updates - center).double(), dim=1).median()
+        out["tau"] = max(float(tau_rel) * float(spread), 1e-12)
+    return out
+
+
+def process_round(
+    run: RunContext,
+    round_index: int,
+    base_model_hash: str,
+    base_flat: torch.Tensor,
+    momentum: torch.Tensor,
+    candidates: list[Candidate],
+    registered: set[str],
+    banned: set[str],
+    beacon_seed: bytes,
+    *,
+    device: str = "cpu",
+) -> RoundOutcome:
+    spec = run.spec
+    verdicts: dict[str, dict[str, Any]] = {}
+    decoded: dict[str, torch.Tensor] = {}
+
+    def reject(c: Candidate, reason: str, detail: str, **extra: Any) -> None:
+        verdicts[c.worker] = {
+            "worker": c.worker, "submission_digest": c.signed.digest, "status": "rejected",
+            "reason": reason, "detail": detail[:500], "spot_checked": False, "distance": None,
+            **extra,
+        }
+
+    by_worker: dict[str, Candidate] = {}
+    repeated: set[str] = set()
+    for c in sorted(candidates, key=lambda c: (c.worker, c.signed.digest)):
+        if c.worker in by_worker:
+            repeated.add(c.worker)
+        else:
+            by_worker[c.worker] = c
+    for worker, c in by_worker.items():
+        if worker in repeated:
+            reject(c, "duplicate", "the sealed list holds more than one submission from this worker")
+            continue
+        try:
+            decoded[worker] = admit(c, run, round_index, base_model_hash, registered, banned)
+        except RejectedInput as exc:
+            reject(c, exc.reason, str(exc))
+
+    checked = select_spot_checks(
+        beacon_seed, sorted(decoded), spec.verification["spot_checks_per_round"]
+    )
+    distances: dict[str, float] = {}
+    for worker in checked:
+        distances[worker] = recompute_distance(
+            run, base_flat, round_index, worker, decoded[worker], device=device
+        )
+        if distances[worker] > spec.verification["tolerance"]:
+            reject(by_worker[worker], "spot_check_failed",
+                   f"recomputed update differs by {distances[worker]:.4g} "
+                   f"(tolerance {spec.verification['tolerance']:g})",
+                   spot_checked=True, distance=distances[worker])
+            del decoded[worker]
+
+    norms = {w: float(torch.linalg.vector_norm(u.double())) for w, u in decoded.items()}
+    for worker, detail in norm_outliers(norms, spec.verification["norm_factor"]).items():
+        reject(by_worker[worker], "norm_outlier", detail, spot_checked=worker in distances,
+               distance=distances.get(worker))
+        del decoded[worker]
+
+    accepted = sorted(decoded)
+    if accepted:
+        stacked = torch.stack([decoded[w] for w in accepted])
+        params = resolve_aggregator_params(spec.aggregator["params"], stacked)
+        agg = build_aggregator(
+            spec.aggregator["name"], params,
+            seed=derive_seed(beacon_seed, "aggregate", round_index),
+        )
+        aggregate = agg(stacked).to(torch.float32)
+        tau = params.get("tau")
+        quality = dict(zip(accepted, clip_quality(stacked, aggregate, tau), strict=True))
+    else:
+        aggregate = torch.zeros_like(base_flat)
+        quality = {}
+    new_flat, new_momentum = outer_step(
+        base_flat, momentum, aggregate, lr=spec.outer["lr"], mu=spec.outer["momentum"],
+        nesterov=spec.outer["nesterov"],
+    )
+    eval_loss = run.evaluate(new_flat, device=device)
+
+    for worker in accepted:
+        c = by_worker[worker]
+        verdicts[worker] = {
+            "worker": worker, "submission_digest": c.signed.digest, "status": "accepted",
+            "reason": "", "detail": "", "spot_checked": worker in distances,
+            "distance": distances.get(worker),
+        }
+    samples = {w: (by_worker[w].signed.message.samples if w in decoded else 0) for w in verdicts}
+    scores = compute_scores(samples, quality)
+    rewards = split_rewards(scores, spec.rewards["per_round"])
+    score_rows = [
+        {"worker": w, "samples": samples[w], "quality": round(min(1.0, quality.get(w, 0.0)), 9),
+         "score": scores[w], "reward": rewards[w]}
+        for w in sorted(verdicts)
+    ]
+    return RoundOutcome(
+        verdicts=[verdicts[w] for w in sorted(verdicts)],
+        scores=score_rows,
+        new_flat=new_flat,
+        new_momentum=new_momentum,
+        eval_loss=eval_loss,
+        aggregate=aggregate,
+        spot_checked=checked,
+    )
