@@ -1,0 +1,260 @@
+"""The ``veritrain`` command: one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from veritrain.protocol.identity import Identity, write_key_file
+
+    ident = Identity.generate(args.role)
+    out = Path(args.out)
+    write_key_file(out, ident)
+    pub = out.with_name(out.name + ".pub.json")
+    pub.write_text(json.dumps({"role": args.role, **ident.public.to_json()}, indent=1) + "\n")
+    print(f"wrote {out} (mode 0600) and {pub}")
+    print(json.dumps(ident.public.to_json()))
+    return 0
+
+
+def _settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    from veritrain.protocol.presets import run_preset
+
+    settings = run_preset(args.preset)
+    if args.task:
+        settings["task"] = {"name": args.task, "params": json.loads(args.task_params or "{}")}
+    elif args.task_params:
+        settings["task"]["params"] = json.loads(args.task_params)
+    overrides = {
+        ("inner", "steps"): args.inner_steps, ("inner", "lr"): args.inner_lr,
+        ("inner", "batch_size"): args.batch_size, ("inner", "trail_every"): args.trail_every,
+        ("outer", "lr"): args.outer_lr, ("outer", "momentum"): args.outer_momentum,
+        ("schedule", "round_seconds"): args.round_seconds,
+        ("schedule", "max_rounds"): args.rounds,
+        ("schedule", "min_submissions"): args.min_submissions,
+        ("verification", "spot_checks_per_round"): args.spot_checks,
+        ("verification", "tolerance"): args.tolerance,
+    }
+    for (block, key), value in overrides.items():
+        if value is not None:
+            settings[block][key] = value
+    if args.aggregator:
+        settings["aggregator"] = {"name": args.aggregator,
+                                  "params": json.loads(args.aggregator_params or "{}")}
+    if args.codec:
+        settings["codec"] = {"name": args.codec, "params": json.loads(args.codec_params or "{}")}
+    return settings
+
+
+def cmd_run_create(args: argparse.Namespace) -> int:
+    from veritrain.protocol.identity import PublicIdentity, read_key_file
+    from veritrain.protocol.organiser import build_run, publish_run
+
+    organiser = read_key_file(Path(args.key))
+    validators = []
+    for path in args.validator:
+        data = json.loads(Path(path).read_text())
+        validators.append(PublicIdentity(data["ed25519"], data.get("bls"), data.get("bls_pop")))
+    bundle = build_run(organiser, args.run_id, _settings_from_args(args), validators,
+                       quorum=args.quorum)
+    reply = asyncio.run(publish_run(args.ledger, bundle))
+    spec = bundle.signed.message
+    print(f"created run {reply['run_id']}: task {spec.task['name']}, {spec.num_params} parameters, "
+          f"dataset {spec.dataset_bytes} bytes ({spec.dataset_hash[:12]}), genesis "
+          f"{spec.genesis_model_hash[:12]}, {len(spec.validators)} validator(s), quorum {spec.quorum}")
+    return 0
+
+
+def cmd_ledger_serve(args: argparse.Namespace) -> int:
+    from veritrain.ledger.serve import default_db_url, serve
+    from veritrain.ledger.server import LedgerConfig
+
+    data_dir = Path(args.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    config = LedgerConfig(data_dir=data_dir, db_url=args.db or default_db_url(data_dir),
+                          tick_seconds=args.tick)
+    asyncio.run(serve(config, args.host, args.port,
+                      Path(args.ready_file) if args.ready_file else None))
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from veritrain.protocol.identity import read_key_file
+    from veritrain.protocol.worker import WorkerConfig, WorkerNode
+
+    identity = read_key_file(Path(args.key))
+    _check_device(args.device)
+    state_dir = Path(args.state_dir) if args.state_dir else (
+        Path.home() / ".veritrain" / f"worker-{identity.public_key.hex()[:16]}")
+    config = WorkerConfig(ledger_url=args.ledger, state_dir=state_dir, run_id=args.run,
+                          device=args.device, attack=args.attack, retry_for=args.retry_for,
+                          progress=not args.no_progress)
+    count = asyncio.run(WorkerNode(config, identity).run(max_rounds=args.max_rounds))
+    print(f"worker done: {count} submission(s)")
+    return 0
+
+
+def cmd_validator(args: argparse.Namespace) -> int:
+    from veritrain.protocol.identity import read_key_file
+    from veritrain.validators.node import ValidatorConfig, ValidatorNode
+
+    identity = read_key_file(Path(args.key))
+    _check_device(args.device)
+    config = ValidatorConfig(ledger_url=args.ledger, run_id=args.run, device=args.device,
+                             retry_for=args.retry_for)
+    asyncio.run(ValidatorNode(config, identity).run(max_rounds=args.max_rounds))
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from veritrain.ledger.audit import run_audit
+
+    return asyncio.run(run_audit(args))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from veritrain.demo import run_demo
+
+    return run_demo(args)
+
+
+def _check_device(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda given but torch sees no CUDA device")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="veritrain",
+        description="Byzantine-robust, verifiable DiLoCo-style training with an auditable ledger.",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    k = sub.add_parser("keygen", help="create a key file (mode 0600) and its public identity",
+                       description="Write a new Ed25519 key (and, for validators, a BLS12-381 "
+                       "key with proof of possession) to OUT, plus OUT.pub.json for sharing.")
+    k.add_argument("--role", choices=["worker", "validator", "organiser"], required=True)
+    k.add_argument("--out", required=True, help="key file to create (never overwritten)")
+    k.set_defaults(func=cmd_keygen)
+
+    run = sub.add_parser("run", help="organiser commands").add_subparsers(
+        dest="run_command", required=True, metavar="SUBCOMMAND")
+    c = run.add_parser("create", help="define a run and publish it to a ledger",
+                       description="Pack the dataset, build the genesis model, sign the run "
+                       "spec with the organiser key and upload all three to the ledger.")
+    c.add_argument("--ledger", required=True, help="ledger URL, e.g. http://127.0.0.1:8470")
+    c.add_argument("--key", required=True, help="organiser key file")
+    c.add_argument("--run-id", required=True, help="run name: lowercase letters, digits, '-'")
+    c.add_argument("--validator", action="append", required=True, metavar="PUB_JSON",
+                   help="a validator's .pub.json (repeat for each validator)")
+    c.add_argument("--quorum", type=int, help="signatures per certificate (default ceil(2n/3))")
+    c.add_argument("--preset", default="demo", choices=["tiny", "demo", "bench"],
+                   help="starting settings (default demo)")
+    c.add_argument("--task", help="task name: charlm, synthetic or module:function")
+    c.add_argument("--task-params", help="task parameters as JSON")
+    c.add_argument("--inner-steps", type=int, help="H: inner AdamW steps per round")
+    c.add_argument("--inner-lr", type=float, help="inner AdamW learning rate")
+    c.add_argument("--batch-size", type=int, help="examples per inner step")
+    c.add_argument("--trail-every", type=int, help="k: steps between trail hashes")
+    c.add_argument("--outer-lr", type=float, help="outer Nesterov learning rate")
+    c.add_argument("--outer-momentum", type=float, help="outer Nesterov momentum")
+    c.add_argument("--round-seconds", type=float, help="round deadline in seconds")
+    c.add_argument("--rounds", type=int, help="number of rounds")
+    c.add_argument("--min-submissions", type=int, help="submissions needed to close a round")
+    c.add_argument("--spot-checks", type=int, help="workers recomputed per round")
+    c.add_argument("--tolerance", type=float, help="spot-check relative distance tolerance")
+    c.add_argument("--aggregator", help="robust aggregator name (default centered_clip)")
+    c.add_argument("--aggregator-params", help="aggregator parameters as JSON")
+    c.add_argument("--codec", help="payload codec name (default fp16)")
+    c.add_argument("--codec-params", help="codec parameters as JSON")
+    c.set_defaults(func=cmd_run_create)
+
+    led = sub.add_parser("ledger", help="ledger commands").add_subparsers(
+        dest="ledger_command", required=True, metavar="SUBCOMMAND")
+    s = led.add_parser("serve", help="run the ledger HTTP server",
+                       description="Serve the ledger API on HOST:PORT, storing rows in a "
+                       "SQLite file under --data-dir (or --db URL) and blobs beside it.")
+    s.add_argument("--data-dir", default="veritrain-ledger", help="rows, blobs and ledger key")
+    s.add_argument("--db", help="SQLAlchemy URL (default: SQLite file in --data-dir)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8470, help="0 lets the OS choose")
+    s.add_argument("--tick", type=float, default=0.2, help="seconds between deadline checks")
+    s.add_argument("--ready-file", help="write {url, ledger_key} here once listening")
+    s.set_defaults(func=cmd_ledger_serve)
+
+    for name, func, helptext in (
+        ("worker", cmd_worker, "join a run: train, submit signed pseudo-gradients"),
+        ("validator", cmd_validator, "check, spot-check, aggregate and certify rounds"),
+    ):
+        n = sub.add_parser(name, help=helptext, description=helptext)
+        n.add_argument("--ledger", required=True, help="ledger URL")
+        n.add_argument("--key", required=True, help="key file (veritrain keygen)")
+        n.add_argument("--run", help="run id (default: the ledger's only active run)")
+        n.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+        n.add_argument("--max-rounds", type=int, help="stop after this many rounds")
+        n.add_argument("--retry-for", type=float, default=300.0,
+                       help="seconds to keep retrying an unreachable ledger")
+        if name == "worker":
+            n.add_argument("--state-dir", help="receipts and error feedback "
+                           "(default ~/.veritrain/worker-<key>)")
+            n.add_argument("--no-progress", action="store_true", help="no progress bar")
+            n.add_argument("--attack", choices=["free_rider", "sign_flip"],
+                           help="evaluation only: behave as this kind of cheater")
+        n.set_defaults(func=func)
+
+    a = sub.add_parser("audit", help="read and verify a run's ledger",
+                       description="Show a run's report, one worker's history or one round, "
+                       "or verify the hash chain, signatures and certificates.")
+    a.add_argument("--ledger", required=True, help="ledger URL")
+    a.add_argument("--run", help="run id (default: the ledger's only run)")
+    a.add_argument("what", nargs="?", default="report",
+                   choices=["report", "worker", "round", "verify"])
+    a.add_argument("arg", nargs="?", help="worker key (prefix) or round number")
+    a.add_argument("--json", action="store_true", help="print JSON")
+    a.set_defaults(func=cmd_audit)
+
+    d = sub.add_parser("demo", help="the whole swarm on this machine, with cheaters",
+                       description="Start a ledger, a validator and N workers (two of them "
+                       "cheating) as processes on loopback, train charlm, and report.")
+    d.add_argument("--workers", type=int, default=6)
+    d.add_argument("--rounds", type=int, default=8)
+    d.add_argument("--validators", type=int, default=1)
+    d.add_argument("--preset", default="demo", choices=["tiny", "demo", "bench"])
+    d.add_argument("--out", default="demo-out", help="folder for the report, plot and logs")
+    d.add_argument("--no-clean-run", action="store_true",
+                   help="skip the reference run without cheaters")
+    d.add_argument("--device", default="cpu")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
