@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from .client import LedgerClient, LedgerRefused
 from .codecs import ErrorFeedback
 from .follow import fetch_base, fetch_run
 from .identity import Identity
-from .messages import Receipt, Registration, Submission, open_signed, sign
+from .messages import Receipt, Registration, Signed, Submission, open_signed, sign
 from .runtime import RunContext
 from .tensors import sha256_hex
 
@@ -154,48 +155,80 @@ class WorkerNode:
                                info: dict[str, Any]) -> bool:
         spec, r = run.spec, info["round"]
         base_flat, _ = await fetch_base(client, run, info)
-        base_hash = info["base_model_hash"]
         started = time.monotonic()
-        if self.config.attack == "free_rider":
-            delta = apply_attack("free_rider", torch.full_like(base_flat, 1e-3),
-                                 run.codec_seed(r, self.me))
-            trail = [sha256_hex(f"{self.me}{r}{i}".encode()) for i in range(len_trail(run))]
-            losses = [0.0, 0.0]
-        else:
-            progress = ProgressLine(self.config.progress, r, run.inner.steps)
-            result = await asyncio.to_thread(run.train, base_flat, r, self.me,
-                                             device=self.config.device, progress=progress)
-            delta = apply_attack(self.config.attack, result.delta, run.codec_seed(r, self.me))
-            trail, losses = result.trail, result.losses
-        ef = ErrorFeedback.from_bytes(state.error_feedback.to_bytes(), run.numel)
-        payload, _ = ef.step(run.codec, delta, seed=run.codec_seed(r, self.me))
-        sub = Submission(
-            run_id=spec.run_id, round=r, worker=self.me, base_model_hash=base_hash,
-            payload_hash=sha256_hex(payload), payload_bytes=len(payload), codec=spec.codec,
-            samples=run.inner.steps * run.inner.batch_size, trail=trail,
-            loss_first=float(losses[0]), loss_last=float(losses[-1]),
-            created_at=int(time.time()))
-        signed = sign(self.identity, sub)
+        prepared = await asyncio.to_thread(
+            prepare_submission, run, self.identity, r, base_flat, info["base_model_hash"],
+            state.error_feedback, attack=self.config.attack, device=self.config.device,
+            progress=ProgressLine(self.config.progress, r, run.inner.steps))
         try:
             wire = await client.post_multipart(
                 f"/v1/runs/{spec.run_id}/rounds/{r}/submissions",
-                [("envelope", signed.encode(), "application/json"),
-                 ("payload", payload, "application/octet-stream")])
+                [("envelope", prepared.signed.encode(), "application/json"),
+                 ("payload", prepared.payload, "application/octet-stream")])
         except LedgerRefused as exc:
             if exc.reason == "duplicate":
                 log.info("round %d was already submitted before a restart", r)
-                state.record(r, None, ef)
+                state.record(r, None, prepared.error_feedback)
                 return False
             log.warning("round %d: submission refused (%s): %s", r, exc.reason, exc.detail)
             self.refused.add(r)
             return False
         receipt = open_signed(wire, Receipt)
-        if receipt.signer != self.ledger_key or receipt.message.submission_digest != signed.digest:
+        if (receipt.signer != self.ledger_key
+                or receipt.message.submission_digest != prepared.signed.digest):
             raise RuntimeError("the ledger's receipt is not signed by it or names another submission")
-        state.record(r, wire, ef)
-        log.info("round %d: submitted %d bytes (loss %.4f -> %.4f) in %.1fs", r, len(payload),
-                 losses[0], losses[-1], time.monotonic() - started)
+        state.record(r, wire, prepared.error_feedback)
+        sub = prepared.signed.message
+        log.info("round %d: submitted %d bytes (loss %.4f -> %.4f) in %.1fs", r, len(prepared.payload),
+                 sub.loss_first, sub.loss_last, time.monotonic() - started)
         return True
+
+
+@dataclass
+class PreparedSubmission:
+    signed: Signed[Submission]
+    payload: bytes
+    error_feedback: ErrorFeedback  # the residual to keep once the submission is accepted
+    delta: torch.Tensor  # what the worker meant to send, before encoding
+
+
+def prepare_submission(
+    run: RunContext,
+    identity: Identity,
+    r: int,
+    base_flat: torch.Tensor,
+    base_hash: str,
+    error_feedback: ErrorFeedback,
+    *,
+    attack: str | None = None,
+    device: str = "cpu",
+    progress: Callable[[int, float], None] | None = None,
+    replace_delta: torch.Tensor | None = None,
+) -> PreparedSubmission:
+    """Train, encode with error feedback and sign one round's submission (no I/O).
+
+    The worker node and the in-process swarm both call this, so they follow
+    one code path. ``replace_delta`` lets an evaluation harness send a crafted
+    update (an omniscient attack) through the same encoding and signing.
+    """
+    me = identity.public_key.hex()
+    if replace_delta is not None or attack == "free_rider":
+        delta = replace_delta if replace_delta is not None else apply_attack(
+            "free_rider", torch.full_like(base_flat, 1e-3), run.codec_seed(r, me))
+        trail = [sha256_hex(f"{me}{r}{i}".encode()) for i in range(len_trail(run))]
+        losses = [0.0]
+    else:
+        result = run.train(base_flat, r, me, device=device, progress=progress)
+        delta = apply_attack(attack, result.delta, run.codec_seed(r, me))
+        trail, losses = result.trail, result.losses
+    ef = ErrorFeedback.from_bytes(error_feedback.to_bytes(), run.numel)
+    payload, _ = ef.step(run.codec, delta, seed=run.codec_seed(r, me))
+    sub = Submission(
+        run_id=run.spec.run_id, round=r, worker=me, base_model_hash=base_hash,
+        payload_hash=sha256_hex(payload), payload_bytes=len(payload), codec=run.spec.codec,
+        samples=run.inner.steps * run.inner.batch_size, trail=trail,
+        loss_first=float(losses[0]), loss_last=float(losses[-1]), created_at=int(time.time()))
+    return PreparedSubmission(sign(identity, sub), payload, ef, delta)
 
 
 def len_trail(run: RunContext) -> int:

@@ -1,0 +1,177 @@
+"""An in-process swarm: many workers and a validator in one process, for benchmarks.
+
+It runs the real code path of the nodes without HTTP: workers call
+:func:`prepare_submission` (train, encode with error feedback, sign), the
+validator calls :func:`process_round` (admit, decode, spot-check, filter,
+aggregate, outer step) with a real BLS beacon, and bans follow failed spot
+checks. Byzantine workers are either worker-side cheats (free rider, sign
+flip, label flip: they run the node's own code with an attack) or omniscient
+attacks from :mod:`veritrain.aggregation.attacks` that see the round's honest
+updates and send a crafted one through the same encoding and signing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from veritrain.aggregation import attacks as A
+from veritrain.aggregation import build_aggregator
+from veritrain.protocol.beacon import beacon_root, compute_beacon_seed
+from veritrain.protocol.codecs import ErrorFeedback
+from veritrain.protocol.identity import Identity
+from veritrain.protocol.organiser import RunBundle, build_run
+from veritrain.protocol.runtime import RunContext
+from veritrain.protocol.tensors import sha256_hex
+from veritrain.protocol.worker import prepare_submission
+from veritrain.validators.checks import Candidate
+from veritrain.validators.round import RoundOutcome, process_round, resolve_aggregator_params
+
+WORKER_SIDE_ATTACKS = ("free_rider", "sign_flip", "label_flip")
+OMNISCIENT_ATTACKS = ("alie", "ipm", "gaussian", "zeros", "mimic", "optimal_alie",
+                      "optimal_ipm")
+ATTACKS = WORKER_SIDE_ATTACKS + OMNISCIENT_ATTACKS
+
+
+def deterministic_identity(role: str, seed: str, index: int) -> Identity:
+    """Reproducible keys, so runs with the same seed assign the same data to the same workers."""
+    ed = hashlib.sha256(f"veritrain/swarm/{seed}/{role}/{index}".encode()).digest()
+    return Identity(role, ed, None)
+
+
+class LabelFlipTask:
+    """A task wrapper whose training labels y become C - 1 - y (a worker-side data attack)."""
+
+    def __init__(self, task: Any, num_classes: int) -> None:
+        self._task = task
+        self._classes = num_classes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+    def make_batch(self, dataset: Any, indices: torch.Tensor, *, device: Any) -> Any:
+        x, y = self._task.make_batch(dataset, indices, device=device)
+        return x, (self._classes - 1) - y
+
+
+@dataclass
+class SwarmResult:
+    eval_loss: list[float]
+    outcomes: list[RoundOutcome]
+    seconds: float
+    caught: dict[str, int] = field(default_factory=dict)  # worker -> round first rejected
+
+
+class Swarm:
+    def __init__(self, settings: dict[str, Any], *, n_workers: int,
+                 byzantine: dict[int, str] | None = None, seed: str = "swarm",
+                 device: str = "cpu", bundle: RunBundle | None = None) -> None:
+        self.byzantine = dict(byzantine or {})
+        for attack in self.byzantine.values():
+            if attack not in ATTACKS:
+                raise ValueError(f"unknown attack {attack!r}; expected one of {ATTACKS}")
+        self.device = device
+        self.validator = Identity.generate("validator")
+        self.workers = [deterministic_identity("worker", seed, i) for i in range(n_workers)]
+        run_seed = hashlib.sha256(f"veritrain/swarm/{seed}/run".encode()).hexdigest()
+        self.bundle = bundle or build_run(deterministic_identity("organiser", seed, 0),
+                                          "swarm", settings, [self.validator.public],
+                                          seed=run_seed)
+        self.run = RunContext.build(self.bundle.signed.message, self.bundle.dataset)
+        if self.run.spec.validators[0]["ed25519"] != self.validator.public_key.hex():
+            raise ValueError("a shared bundle must be built with this swarm's validator")
+        self.base = self.run.decode_model(self.bundle.genesis)
+        self.base_hash = self.run.spec.genesis_model_hash
+        self.momentum = torch.zeros_like(self.base)
+        self.error_feedback = [ErrorFeedback(self.run.numel) for _ in self.workers]
+        self.banned_until: dict[str, int] = {}
+        if "label_flip" in self.byzantine.values():
+            classes = int(self.run.task.params.get("n_classes", 256))
+            self._flipped = dataclasses.replace(self.run, task=LabelFlipTask(self.run.task,
+                                                                              classes))
+
+    def genesis_loss(self) -> float:
+        return self.run.evaluate(self.run.decode_model(self.bundle.genesis), device=self.device)
+
+    def _omniscient(self, attack: str, honest: torch.Tensor, f: int, r: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(r)
+        if attack == "alie":
+            return A.a_little_is_enough(honest, f, n=honest.shape[0] + f)
+        if attack == "ipm":
+            return A.inner_product_manipulation(honest, f)
+        if attack == "gaussian":
+            return A.gaussian_noise(honest, f, std=float(honest.std()), generator=gen)
+        if attack == "zeros":
+            return A.free_rider(honest, f)
+        if attack == "mimic":
+            return A.mimic(honest, f)
+        params = resolve_aggregator_params(self.run.spec.aggregator["params"], honest)
+        agg = build_aggregator(self.run.spec.aggregator["name"], params, seed=r)
+        if attack == "optimal_alie":
+            return A.optimal_alie(honest, f, agg)
+        return A.optimal_ipm(honest, f, agg)
+
+    def step(self, r: int) -> RoundOutcome:
+        run = self.run
+        active = [i for i, w in enumerate(self.workers)
+                  if self.banned_until.get(w.public_key.hex(), -1) < r]
+        prepared: dict[int, Any] = {}
+        for i in active:
+            attack = self.byzantine.get(i)
+            if attack in OMNISCIENT_ATTACKS:
+                continue
+            ctx = self._flipped if attack == "label_flip" else run
+            prepared[i] = prepare_submission(
+                ctx, self.workers[i], r, self.base, self.base_hash, self.error_feedback[i],
+                attack=attack if attack in ("free_rider", "sign_flip") else None,
+                device=self.device)
+        omniscient = [i for i in active if self.byzantine.get(i) in OMNISCIENT_ATTACKS]
+        if omniscient:
+            honest = torch.stack([p.delta for i, p in prepared.items()
+                                  if i not in self.byzantine])
+            by_attack: dict[str, list[int]] = {}
+            for i in omniscient:
+                by_attack.setdefault(self.byzantine[i], []).append(i)
+            for attack, members in by_attack.items():
+                rows = self._omniscient(attack, honest, len(members), r)
+                for row, i in zip(rows, members, strict=True):
+                    prepared[i] = prepare_submission(
+                        run, self.workers[i], r, self.base, self.base_hash,
+                        self.error_feedback[i], replace_delta=row.float())
+        candidates = [Candidate(p.signed, p.payload) for p in prepared.values()]
+        registered = {w.public_key.hex() for w in self.workers}
+        banned = {w for w, until in self.banned_until.items() if until >= r}
+        share = self.validator.sign_bls(beacon_root(run.spec.run_id, r))
+        outcome = process_round(run, r, self.base_hash, self.base, self.momentum, candidates,
+                                registered, banned, compute_beacon_seed([share]),
+                                device=self.device)
+        for i, p in prepared.items():
+            self.error_feedback[i] = p.error_feedback
+        for v in outcome.verdicts:
+            if v["reason"] == "spot_check_failed":
+                self.banned_until[v["worker"]] = r + run.spec.verification["ban_rounds"]
+        self.base, self.momentum = outcome.new_flat, outcome.new_momentum
+        self.base_hash = sha256_hex(run.encode_model(self.base))
+        return outcome
+
+    def train(self, rounds: int, *, on_round: Callable[[int, RoundOutcome], None] | None = None
+              ) -> SwarmResult:
+        started = time.monotonic()
+        result = SwarmResult([], [], 0.0)
+        for r in range(rounds):
+            outcome = self.step(r)
+            result.outcomes.append(outcome)
+            result.eval_loss.append(outcome.eval_loss)
+            for v in outcome.verdicts:
+                if v["status"] == "rejected":
+                    result.caught.setdefault(v["worker"], r)
+            if on_round is not None:
+                on_round(r, outcome)
+        result.seconds = time.monotonic() - started
+        return result
