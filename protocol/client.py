@@ -128,6 +128,15 @@ class LedgerClient:
 
         return await self._retrying(f"POST {path}", attempt)
 
+    async def put_bytes(self, path: str, data: bytes) -> Any:
+        async def attempt() -> Any:
+            async with self.session.put(self.base_url + path, data=data, headers={
+                    "Content-Type": "application/octet-stream"}) as resp:
+                await self._check(resp)
+                return await resp.json()
+
+        return await self._retrying(f"PUT {path}", attempt)
+
     async def get_blob(self, digest: str, *, max_bytes: int) -> bytes:
         """Download a content-addressed blob, refusing oversized or mismatched content."""
 

@@ -7,26 +7,53 @@ by the signed spec itself).
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from typing import Any
 
 import torch
 
 from .certificates import verify_certificate
-from .client import LedgerClient
+from .client import LedgerClient, LedgerRefused
 from .errors import RejectedInput
 from .messages import RunSpec, open_signed
 from .runtime import RunContext
 
+log = logging.getLogger("veritrain.follow")
 
-async def fetch_run(client: LedgerClient, run_id: str | None) -> RunSpec:
-    """The run's spec, with the organiser's signature checked."""
-    if run_id is None:
-        runs = (await client.get_json("/v1/ledger"))["runs"]
-        active = [r["run_id"] for r in runs if r["status"] == "active"]
-        if len(active) != 1:
-            raise SystemExit(f"ledger has {len(active)} active runs; pass --run")
-        run_id = active[0]
-    overview = await client.get_json(f"/v1/runs/{run_id}")
+
+async def fetch_run(client: LedgerClient, run_id: str | None, *, poll_seconds: float = 1.0,
+                    wait_for: float = 3600.0) -> RunSpec:
+    """The run's spec, with the organiser's signature checked.
+
+    A node started before the organiser created the run waits for it (up to
+    ``wait_for`` seconds): for the named run, or for the ledger's only active
+    run when none is named.
+    """
+    deadline = time.monotonic() + wait_for
+    announced = False
+    while True:
+        chosen = run_id
+        if chosen is None:
+            runs = (await client.get_json("/v1/ledger"))["runs"]
+            active = [r["run_id"] for r in runs if r["status"] == "active"]
+            if len(active) > 1:
+                raise SystemExit(f"ledger has {len(active)} active runs; pass --run")
+            chosen = active[0] if active else None
+        if chosen is not None:
+            try:
+                overview = await client.get_json(f"/v1/runs/{chosen}")
+                break
+            except LedgerRefused as exc:
+                if exc.reason != "not_found":
+                    raise
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no run {run_id or '(any)'} appeared on the ledger")
+        if not announced:
+            log.info("waiting for run %s to be created", run_id or "(any)")
+            announced = True
+        await asyncio.sleep(poll_seconds)
     signed = open_signed(overview["spec"], RunSpec)
     if signed.signer != signed.message.organiser:
         raise RejectedInput("run spec is not signed by its organiser", "bad_signature")

@@ -150,9 +150,13 @@ SCHEDULE = f.record(
 VERIFICATION = f.record(
     {
         "spot_checks_per_round": f.integer(0, MAX_WORKERS_PER_ROUND),
+        "challenges_per_worker": f.number(0.0, float(MAX_TRAIL)),
+        "always_last": f.boolean,
+        "reveal_seconds": f.number(0.1, 86_400.0),
         "tolerance": f.number(0.0, 1.0),
         "norm_factor": f.number(1.0, 1e6),
         "ban_rounds": f.integer(0, MAX_ROUND),
+        "vesting_rounds": f.integer(0, MAX_ROUND),
     }
 )
 LIMITS = f.record({"max_payload_bytes": f.integer(1, 1 << 34)})
@@ -257,6 +261,7 @@ class Submission(Message):
     codec: dict[str, Any]
     samples: int
     trail: list[str]
+    ef_hash: str
     loss_first: float
     loss_last: float
     created_at: int
@@ -271,6 +276,7 @@ class Submission(Message):
         "codec": NAMED_PARAMS,
         "samples": f.integer(0, 1 << 40),
         "trail": f.list_of(f.HASH, MAX_TRAIL),
+        "ef_hash": f.HASH,
         "loss_first": LOSS,
         "loss_last": LOSS,
         "created_at": TIME,
@@ -302,6 +308,17 @@ class Receipt(Message):
 # --------------------------------------------------------------------------- round result
 
 VERDICT_STATUS = ("accepted", "rejected")
+SEGMENT_CHECK = f.record(
+    {
+        "segment": f.integer(0, MAX_TRAIL),
+        "start": f.optional(f.HASH),
+        "end": f.HASH,
+        "ef": f.optional(f.HASH),
+        "distance": f.optional(f.number(0.0, 1e300)),
+        "ok": f.boolean,
+        "note": f.string(200),
+    }
+)
 VERDICT = f.record(
     {
         "worker": f.PUBKEY,
@@ -310,7 +327,8 @@ VERDICT = f.record(
         "reason": f.string(64, r"[a-z_]*"),
         "detail": f.string(500),
         "spot_checked": f.boolean,
-        "distance": f.optional(f.number(0.0, 1e30)),
+        "distance": f.optional(f.number(0.0, 1e300)),
+        "checks": f.list_of(SEGMENT_CHECK, MAX_TRAIL),
     }
 )
 SCORE = f.record(

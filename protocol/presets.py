@@ -28,9 +28,10 @@ RUN_PRESETS: dict[str, dict[str, Any]] = {
         "inner": {"steps": 10, "batch_size": 8, "lr": 3e-3, "beta1": 0.9, "beta2": 0.95,
                   "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0, "trail_every": 5},
         "schedule": {"round_seconds": 60.0, "min_submissions": 1, "max_rounds": 4},
-        # At the tiny scale every worker is recomputed each round.
-        "verification": {"spot_checks_per_round": 8, "tolerance": 0.02, "norm_factor": 10.0,
-                         "ban_rounds": 3},
+        # S = 2 segments and 2 challenges each: every worker is recomputed in full.
+        "verification": {"spot_checks_per_round": 0, "challenges_per_worker": 2.0,
+                         "always_last": True, "reveal_seconds": 30.0, "tolerance": 0.02,
+                         "norm_factor": 10.0, "ban_rounds": 3, "vesting_rounds": 2},
     },
     "demo": {
         **_COMMON,
@@ -38,18 +39,24 @@ RUN_PRESETS: dict[str, dict[str, Any]] = {
         "inner": {"steps": 20, "batch_size": 16, "lr": 2e-3, "beta1": 0.9, "beta2": 0.95,
                   "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0, "trail_every": 5},
         "schedule": {"round_seconds": 120.0, "min_submissions": 1, "max_rounds": 8},
-        # Half the swarm is recomputed each round: a cheater escapes 8 rounds with p = 2^-8.
-        "verification": {"spot_checks_per_round": 3, "tolerance": 0.02, "norm_factor": 10.0,
-                         "ban_rounds": 100},
+        # S = 4: the last segment, which binds the payload to the trail, is always
+        # recomputed, so a payload cheat is caught at once and a free rider (no trail
+        # to reveal) in its first round; each of the 3 validators recomputes 25%.
+        "verification": {"spot_checks_per_round": 0, "challenges_per_worker": 1.0,
+                         "always_last": True, "reveal_seconds": 15.0, "tolerance": 0.02,
+                         "norm_factor": 10.0, "ban_rounds": 100, "vesting_rounds": 3},
     },
     "bench": {
         **_COMMON,
         "task": {"name": "charlm", "preset": "bench"},
         "inner": {"steps": 30, "batch_size": 16, "lr": 2e-3, "beta1": 0.9, "beta2": 0.95,
-                  "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0, "trail_every": 5},
+                  "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0, "trail_every": 1},
         "schedule": {"round_seconds": 600.0, "min_submissions": 1, "max_rounds": 30},
-        "verification": {"spot_checks_per_round": 1, "tolerance": 0.02, "norm_factor": 10.0,
-                         "ban_rounds": 100},
+        # S = 30, c = 1.5: recomputation is 1.5 / 30 = 5% of training; a worker faking
+        # a quarter of its segments escapes a round with p ~ 0.63, ten rounds with p ~ 0.01.
+        "verification": {"spot_checks_per_round": 0, "challenges_per_worker": 1.5,
+                         "always_last": False, "reveal_seconds": 120.0, "tolerance": 0.02,
+                         "norm_factor": 10.0, "ban_rounds": 100, "vesting_rounds": 5},
     },
 }
 

@@ -27,9 +27,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .challenges import max_reveal_bytes
 from .errors import PayloadError, RejectedInput
 from .tasks.base import Dataset, Task
-from .tensors import MAX_HEADER_BYTES, decode_flat, encode_flat, load_flat_params, sha256_hex
+from .tensors import decode_flat, encode_flat, load_flat_params, sha256_hex
 
 # cuBLAS reads this when it creates its workspace; deterministic GEMMs on CUDA
 # need it, and it must be set before the first CUDA matmul of the process.
@@ -131,7 +132,7 @@ def state_layout(numel: int) -> list[tuple[str, tuple[int, ...]]]:
 
 def max_state_bytes(numel: int) -> int:
     """Upper bound on a state file's size, for bounded parsing."""
-    return 8 + MAX_HEADER_BYTES + 4 * (3 * numel + 1)
+    return max_reveal_bytes(numel)
 
 
 @dataclass(frozen=True, eq=False)

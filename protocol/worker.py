@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -70,6 +71,25 @@ class WorkerState:
         ef_path = self.dir / "error_feedback.safetensors"
         self.error_feedback = (ErrorFeedback.from_bytes(ef_path.read_bytes(), numel)
                                if ef_path.exists() else ErrorFeedback(numel))
+
+    def keep_evidence(self, r: int, evidence: dict[str, bytes]) -> None:
+        """Store a round's trail states and residual until the round is settled."""
+        folder = self.dir / "evidence" / str(r)
+        folder.mkdir(parents=True, exist_ok=True)
+        for digest, data in evidence.items():
+            _atomic_write(folder / digest, data)
+
+    def pending_rounds(self) -> list[int]:
+        root = self.dir / "evidence"
+        return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.exists() else []
+
+    def evidence(self, r: int, digest: str) -> bytes | None:
+        path = self.dir / "evidence" / str(r) / digest
+        return path.read_bytes() if path.exists() else None
+
+    def settle(self, r: int) -> None:
+        """The round is finalized: its evidence is no longer needed."""
+        shutil.rmtree(self.dir / "evidence" / str(r), ignore_errors=True)
 
     def submitted(self, r: int) -> bool:
         return (self.dir / "receipts" / f"{r}.json").exists()
@@ -140,16 +160,28 @@ class WorkerNode:
             while max_rounds is None or submitted < max_rounds:
                 info = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/current")
                 if info["run_status"] != "active":
+                    await self.answer_challenges(client, spec.run_id, state)
                     log.info("run %s is %s after %d submissions", spec.run_id,
                              info["run_status"], submitted)
                     break
                 r = info["round"]
+                await self.answer_challenges(client, spec.run_id, state)
                 if info["status"] != "open" or state.submitted(r) or r in self.refused:
                     await asyncio.sleep(self.config.poll_seconds)
                     continue
                 if await self.train_and_submit(client, run, state, info):
                     submitted += 1
+            while state.pending_rounds():
+                await self.answer_challenges(client, spec.run_id, state)
+                overview = await client.get_json(f"/v1/runs/{spec.run_id}")
+                if overview["status"] != "active" and not state.pending_rounds():
+                    break
+                await asyncio.sleep(self.config.poll_seconds)
             return submitted
+
+    async def answer_challenges(self, client: LedgerClient, run_id: str,
+                                state: WorkerState) -> None:
+        await answer_challenges_once(client, run_id, self.me, state)
 
     async def train_and_submit(self, client: LedgerClient, run: RunContext, state: WorkerState,
                                info: dict[str, Any]) -> bool:
@@ -168,6 +200,7 @@ class WorkerNode:
         except LedgerRefused as exc:
             if exc.reason == "duplicate":
                 log.info("round %d was already submitted before a restart", r)
+                state.keep_evidence(r, prepared.evidence)
                 state.record(r, None, prepared.error_feedback)
                 return False
             log.warning("round %d: submission refused (%s): %s", r, exc.reason, exc.detail)
@@ -177,11 +210,43 @@ class WorkerNode:
         if (receipt.signer != self.ledger_key
                 or receipt.message.submission_digest != prepared.signed.digest):
             raise RuntimeError("the ledger's receipt is not signed by it or names another submission")
+        state.keep_evidence(r, prepared.evidence)
         state.record(r, wire, prepared.error_feedback)
         sub = prepared.signed.message
         log.info("round %d: submitted %d bytes (loss %.4f -> %.4f) in %.1fs", r, len(prepared.payload),
                  sub.loss_first, sub.loss_last, time.monotonic() - started)
         return True
+
+
+async def answer_challenges_once(client: LedgerClient, run_id: str, me: str,
+                                 state: WorkerState) -> None:
+    """Upload what the ledger's challenges ask of this worker; drop settled rounds."""
+    for r in state.pending_rounds():
+        info = await client.get_json(f"/v1/runs/{run_id}/rounds/{r}")
+        if info["status"] == "finalized":
+            state.settle(r)
+            continue
+        view = await client.get_json(f"/v1/runs/{run_id}/rounds/{r}/challenges")
+        mine = next((c for c in view["challenges"] if c["worker"] == me), None)
+        if mine is None:
+            continue
+        sent = 0
+        for digest in mine["needed"]:
+            if digest in mine["received"]:
+                continue
+            data = state.evidence(r, digest)
+            if data is None:
+                log.warning("round %d: challenged for %s, which this worker does not hold",
+                            r, digest[:12])
+                continue
+            try:
+                await client.put_bytes(f"/v1/runs/{run_id}/rounds/{r}/reveals/{digest}", data)
+                sent += 1
+            except LedgerRefused as exc:
+                if exc.reason != "duplicate":
+                    log.warning("round %d: reveal %s refused: %s", r, digest[:12], exc)
+        if sent:
+            log.info("round %d: revealed %d file(s) for segments %s", r, sent, mine["segments"])
 
 
 @dataclass
@@ -190,6 +255,7 @@ class PreparedSubmission:
     payload: bytes
     error_feedback: ErrorFeedback  # the residual to keep once the submission is accepted
     delta: torch.Tensor  # what the worker meant to send, before encoding
+    evidence: dict[str, bytes]  # content hash -> trail state or residual file, for reveals
 
 
 def prepare_submission(
@@ -212,23 +278,28 @@ def prepare_submission(
     update (an omniscient attack) through the same encoding and signing.
     """
     me = identity.public_key.hex()
+    ef_bytes = error_feedback.to_bytes()
+    evidence = {sha256_hex(ef_bytes): ef_bytes}
     if replace_delta is not None or attack == "free_rider":
         delta = replace_delta if replace_delta is not None else apply_attack(
             "free_rider", torch.full_like(base_flat, 1e-3), run.codec_seed(r, me))
         trail = [sha256_hex(f"{me}{r}{i}".encode()) for i in range(len_trail(run))]
         losses = [0.0]
     else:
-        result = run.train(base_flat, r, me, device=device, progress=progress)
+        result = run.train(base_flat, r, me, device=device, progress=progress,
+                           keep_states=True)
         delta = apply_attack(attack, result.delta, run.codec_seed(r, me))
         trail, losses = result.trail, result.losses
-    ef = ErrorFeedback.from_bytes(error_feedback.to_bytes(), run.numel)
+        evidence.update((st.hash(), st.to_bytes()) for st in result.states[1:])
+    ef = ErrorFeedback.from_bytes(ef_bytes, run.numel)
     payload, _ = ef.step(run.codec, delta, seed=run.codec_seed(r, me))
     sub = Submission(
         run_id=run.spec.run_id, round=r, worker=me, base_model_hash=base_hash,
         payload_hash=sha256_hex(payload), payload_bytes=len(payload), codec=run.spec.codec,
         samples=run.inner.steps * run.inner.batch_size, trail=trail,
-        loss_first=float(losses[0]), loss_last=float(losses[-1]), created_at=int(time.time()))
-    return PreparedSubmission(sign(identity, sub), payload, ef, delta)
+        ef_hash=sha256_hex(ef_bytes), loss_first=float(losses[0]),
+        loss_last=float(losses[-1]), created_at=int(time.time()))
+    return PreparedSubmission(sign(identity, sub), payload, ef, delta, evidence)
 
 
 def len_trail(run: RunContext) -> int:

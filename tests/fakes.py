@@ -71,7 +71,8 @@ def make_submission(run: FakeRun, worker: Identity, payload: bytes, *, round_ind
         "base_model_hash": base or spec.genesis_model_hash,
         "payload_hash": hashlib.sha256(payload).hexdigest(), "payload_bytes": len(payload),
         "codec": spec.codec, "samples": expected_samples(spec),
-        "trail": ["7" * 64] * expected_trail_length(spec), "loss_first": 3.0, "loss_last": 2.0,
+        "trail": ["7" * 64] * expected_trail_length(spec), "ef_hash": "6" * 64,
+        "loss_first": 3.0, "loss_last": 2.0,
         "created_at": 1,
     }
     body.update(overrides)

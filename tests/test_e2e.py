@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from veritrain.protocol.identity import Identity, write_key_file
 from veritrain.protocol.organiser import build_run, publish_run
 from veritrain.protocol.presets import run_preset
 
-from veritrain.local import LocalProcesses
+from veritrain.local import LocalProcesses, child_env
 
 pytestmark = pytest.mark.slow
 
@@ -53,21 +55,39 @@ def test_tiny_run_end_to_end_with_cheaters(tmp_path: Path):
         keys[name] = ident
     settings = run_preset("tiny")
     settings["schedule"]["max_rounds"] = ROUNDS
+    settings["verification"]["reveal_seconds"] = 5.0  # the free rider never reveals
     bundle = build_run(Identity.generate("organiser"), "e2e", settings,
                        [keys["validator"].public])
     procs = LocalProcesses(tmp_path / "logs")
     try:
         url = procs.start_ledger(tmp_path / "ledger")
-        asyncio.run(publish_run(url, bundle))
         procs.start("validator", ["validator", "--ledger", url, "--key",
-                                  str(tmp_path / "validator.key")])
-        for name in ["honest-0", "honest-1", "free_rider", "sign_flip"]:
+                                  str(tmp_path / "validator.key"), "--run", "e2e"])
+        names = ["honest-0", "honest-1", "free_rider", "sign_flip"]
+        for name in names:
             args = ["worker", "--ledger", url, "--key", str(tmp_path / f"{name}.key"),
-                    "--no-progress", "--state-dir", str(tmp_path / "state" / name)]
+                    "--run", "e2e", "--no-progress", "--state-dir",
+                    str(tmp_path / "state" / name)]
             if name in ("free_rider", "sign_flip"):
                 args += ["--attack", name]
             procs.start(name, args)
+        # Every node is up and waiting for the run before it exists, so all four
+        # workers register together and take part from round 0.
+        deadline = time.monotonic() + 300
+        while not all("waiting for run" in (tmp_path / "logs" / f"{n}.log").read_text()
+                      for n in [*names, "validator"]):
+            assert time.monotonic() < deadline, "nodes did not start"
+            time.sleep(0.2)
+        asyncio.run(publish_run(url, bundle))
         out = asyncio.run(_wait(url, "e2e", timeout=420))
+        # Anyone can re-run the sign flipper's recorded check from the stored evidence.
+        flipper = keys["sign_flip"].public_key.hex()
+        first = next(w["rejected"][0]["round"] for w in out["report"]["workers"]
+                     if w["worker"] == flipper)
+        recheck = subprocess.run(
+            [sys.executable, "-m", "veritrain.cli", "audit", "--ledger", url, "--run", "e2e",
+             "recheck", str(first), "--worker", flipper[:16]],
+            capture_output=True, text=True, timeout=300, env=child_env())
     finally:
         procs.stop_all()
     report, audit = out["report"], out["audit"]
@@ -102,6 +122,10 @@ def test_tiny_run_end_to_end_with_cheaters(tmp_path: Path):
         assert row["rejected"] == [], row
         assert row["accepted"] == len(rounds_of[key]) >= ROUNDS - 1, row
         assert row["score"] > 0
+
+    assert recheck.returncode == 0, recheck.stdout + recheck.stderr
+    assert "recorded FAIL" in recheck.stdout and "DISAGREES" not in recheck.stdout
+    assert "payload does not re-derive" in recheck.stdout
 
     assert audit.ok, audit.problem
     assert audit.certificates == ROUNDS

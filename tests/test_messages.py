@@ -31,6 +31,7 @@ submissions = st.builds(
     codec=st.just({"name": "fp16", "params": {}}),
     samples=st.integers(0, 10**6),
     trail=st.lists(hex32, max_size=8),
+    ef_hash=hex32,
     loss_first=st.floats(-100, 100, allow_nan=False),
     loss_last=st.floats(-100, 100, allow_nan=False),
     created_at=st.integers(0, 2**40),
@@ -71,7 +72,7 @@ def test_invalid_any_field_change_breaks_the_signature(sub, data):
 def _sub(**kw):
     base = dict(run_id="run-a", round=3, worker=WORKER.public_key.hex(), base_model_hash="0" * 64,
                 payload_hash="1" * 64, payload_bytes=10, codec={"name": "fp16", "params": {}},
-                samples=80, trail=["2" * 64], loss_first=2.0, loss_last=1.5, created_at=1)
+                samples=80, trail=["2" * 64], ef_hash="3" * 64, loss_first=2.0, loss_last=1.5, created_at=1)
     base.update(kw)
     return Submission(**base)
 

@@ -8,6 +8,7 @@ and leaves every honest submission accepted.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -15,43 +16,30 @@ import torch
 from fakes import validator_identities
 from ledger_harness import Api, run_api
 from veritrain.protocol.client import LedgerClient
+from veritrain.protocol.codecs import ErrorFeedback
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import Registration, Submission, sign
 from veritrain.protocol.organiser import build_run
 from veritrain.protocol.presets import run_preset
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import sha256_hex
+from veritrain.protocol.worker import PreparedSubmission, prepare_submission
 from veritrain.validators.checks import Candidate
 from veritrain.validators.node import ValidatorConfig, ValidatorNode
 from veritrain.validators.round import process_round
 
 
-def synthetic_settings(spot_checks: int = 0) -> dict:
+def synthetic_settings(challenges: float = 2.0) -> dict:
     settings = run_preset("tiny")
     settings["task"] = {"name": "synthetic", "preset": "tiny"}
-    settings["verification"]["spot_checks_per_round"] = spot_checks
+    settings["verification"]["challenges_per_worker"] = challenges
     settings["schedule"]["round_seconds"] = 30.0
     return settings
 
 
-def honest_payload(run: RunContext, base: torch.Tensor, worker: Identity) -> tuple[bytes, list]:
-    result = run.train(base, 0, worker.public_key.hex())
-    payload = run.codec.encode(result.delta, seed=run.codec_seed(0, worker.public_key.hex()))
-    return payload, result.trail
-
-
-def fp16_bytes(values: torch.Tensor) -> bytes:
-    """A payload in the fp16 codec's own layout, made by encoding then patching values."""
-    return values.to(torch.float16).numpy().astype("<f2").tobytes()
-
-
-def envelope(run: RunContext, worker: Identity, payload: bytes, trail: list[str]) -> Submission:
-    return Submission(
-        run_id=run.spec.run_id, round=0, worker=worker.public_key.hex(),
-        base_model_hash=run.spec.genesis_model_hash, payload_hash=sha256_hex(payload),
-        payload_bytes=len(payload), codec=run.spec.codec,
-        samples=run.inner.steps * run.inner.batch_size, trail=trail, loss_first=1.0,
-        loss_last=0.5, created_at=1)
+def honest(run: RunContext, base: torch.Tensor, worker: Identity) -> PreparedSubmission:
+    return prepare_submission(run, worker, 0, base, run.spec.genesis_model_hash,
+                              ErrorFeedback(run.numel))
 
 
 def bad_payload(kind: str, run: RunContext, good: bytes) -> bytes:
@@ -69,39 +57,72 @@ def bad_payload(kind: str, run: RunContext, good: bytes) -> bytes:
     raise AssertionError(kind)
 
 
+async def reveal_all(api: Api, run_id: str, evidence: dict[str, bytes]) -> int:
+    """Answer every challenge of round 0 from ``evidence``, as the workers would."""
+    view = (await api.get(f"/v1/runs/{run_id}/rounds/0/challenges"))[1]
+    assert view["fixed"]
+    sent = 0
+    for c in view["challenges"]:
+        for digest in c["needed"]:
+            if digest in evidence:
+                async with api.session.put(f"{api.url}/v1/runs/{run_id}/rounds/0/reveals/{digest}",
+                                           data=evidence[digest]) as resp:
+                    assert resp.status in (201, 409), await resp.text()
+                    sent += 1
+    return sent
+
+
+async def submit_all(api: Api, bundle, workers: list[Identity],
+                     prepared: dict[str, tuple[Submission, bytes]]) -> None:
+    status, _ = await api.post_parts("/v1/runs", [("spec", bundle.signed.encode()),
+                                                  ("dataset", bundle.dataset),
+                                                  ("genesis", bundle.genesis)])
+    assert status == 201
+    run_id = bundle.signed.message.run_id
+    for w in workers:
+        reg = Registration(run_id=run_id, round=0, participant=w.public_key.hex(),
+                           role="worker", created_at=1)
+        await api.post_json(f"/v1/runs/{run_id}/participants", sign(w, reg).to_wire())
+    for w in workers:
+        sub, payload = prepared[w.public_key.hex()]
+        status, body = await api.submit(sign(w, sub), payload)
+        assert status == 201, body
+
+
+async def validate(api: Api, run: RunContext, validator: Identity, evidence: dict[str, bytes]):
+    node = ValidatorNode(ValidatorConfig(ledger_url=api.url, run_id=run.spec.run_id,
+                                         poll_seconds=0.05), validator)
+    async with LedgerClient(api.url, retry_for=5.0) as client:
+        info = await client.get_json(f"/v1/runs/{run.spec.run_id}/rounds/0")
+        assert info["status"] == "closed"
+        await node.beacon_seed(client, run.spec.run_id, 0)
+        await reveal_all(api, run.spec.run_id, evidence)
+        outcome = await node.validate_round(client, run, info)
+    return outcome, (await api.get(f"/v1/runs/{run.spec.run_id}/rounds/0"))[1]
+
+
 @pytest.mark.parametrize("kind", ["undecodable", "non_finite", "norm_outlier"])
 def test_invalid_payload_rejected_by_validator_and_kept_out_of_aggregate(tmp_path, kind):
     organiser = Identity.generate("organiser")
     validator = validator_identities(1)[0]
-    bundle = build_run(organiser, "val-run", synthetic_settings(), [validator.public])
+    # Without challenges the norm filter, not a segment check, must catch the scaled update.
+    settings = synthetic_settings(challenges=0.0 if kind == "norm_outlier" else 2.0)
+    bundle = build_run(organiser, "val-run", settings, [validator.public])
     run = RunContext.build(bundle.signed.message, bundle.dataset)
     base = run.decode_model(bundle.genesis)
-    honest = [Identity.generate("worker") for _ in range(3)]
+    good = [Identity.generate("worker") for _ in range(3)]
     cheat = Identity.generate("worker")
-    payloads = {w.public_key.hex(): honest_payload(run, base, w) for w in honest}
-    good_payload, trail = honest_payload(run, base, cheat)
-    payloads[cheat.public_key.hex()] = (bad_payload(kind, run, good_payload), trail)
+    preps = {w.public_key.hex(): honest(run, base, w) for w in [*good, cheat]}
+    evidence = {k: v for p in preps.values() for k, v in p.evidence.items()}
+    prepared = {k: (p.signed.message, p.payload) for k, p in preps.items()}
+    sub, payload = prepared[cheat.public_key.hex()]
+    bad = bad_payload(kind, run, payload)
+    prepared[cheat.public_key.hex()] = (dataclasses.replace(
+        sub, payload_hash=sha256_hex(bad), payload_bytes=len(bad)), bad)
 
     async def scenario(api: Api):
-        status, _ = await api.post_parts("/v1/runs", [("spec", bundle.signed.encode()),
-                                                      ("dataset", bundle.dataset),
-                                                      ("genesis", bundle.genesis)])
-        assert status == 201
-        for w in [*honest, cheat]:
-            reg = Registration(run_id="val-run", round=0, participant=w.public_key.hex(),
-                               role="worker", created_at=1)
-            await api.post_json("/v1/runs/val-run/participants", sign(w, reg).to_wire())
-        for w in [*honest, cheat]:
-            payload, trail = payloads[w.public_key.hex()]
-            status, body = await api.submit(sign(w, envelope(run, w, payload, trail)), payload)
-            assert status == 201, body
-        node = ValidatorNode(ValidatorConfig(ledger_url=api.url, run_id="val-run"), validator)
-        async with LedgerClient(api.url, retry_for=5.0) as client:
-            info = await client.get_json("/v1/runs/val-run/rounds/0")
-            assert info["status"] == "closed"
-            outcome = await node.validate_round(client, run, info)
-        summary = (await api.get("/v1/runs/val-run/rounds/0"))[1]
-        return outcome, summary
+        await submit_all(api, bundle, [*good, cheat], prepared)
+        return await validate(api, run, validator, evidence)
 
     outcome, summary = run_api(tmp_path, scenario)
     verdicts = {v["worker"]: v for v in summary["verdicts"]}
@@ -109,16 +130,57 @@ def test_invalid_payload_rejected_by_validator_and_kept_out_of_aggregate(tmp_pat
     assert verdicts[cheat.public_key.hex()]["status"] == "rejected"
     assert verdicts[cheat.public_key.hex()]["reason"] == kind
     assert verdicts[cheat.public_key.hex()]["score"] == 0
-    assert all(verdicts[w.public_key.hex()]["status"] == "accepted" for w in honest)
+    assert all(verdicts[w.public_key.hex()]["status"] == "accepted" for w in good)
+    assert all(verdicts[w.public_key.hex()]["spot_checked"] == (kind != "norm_outlier")
+               for w in good)
     # The aggregate is exactly what the honest updates alone produce.
-    only_honest = [
-        Candidate(sign(w, envelope(run, w, *payloads[w.public_key.hex()])),
-                  payloads[w.public_key.hex()][0]) for w in honest]
-    registered = {w.public_key.hex() for w in honest}
+    only_honest = [Candidate(preps[w.public_key.hex()].signed, preps[w.public_key.hex()].payload)
+                   for w in good]
+    registered = {w.public_key.hex() for w in good}
     reference = process_round(run, 0, run.spec.genesis_model_hash, base, torch.zeros_like(base),
-                              only_honest, registered, set(), bytes(32))
+                              only_honest, registered, set(), bytes(32), evidence=evidence)
     assert torch.equal(outcome.aggregate, reference.aggregate)
     assert torch.equal(outcome.new_flat, reference.new_flat)
+
+
+@pytest.mark.parametrize("cheat", ["missing_reveal", "forged_trail", "sign_flip", "free_rider"])
+def test_invalid_work_fails_its_segment_check_over_http(tmp_path, cheat):
+    """Cheats that decode fine are caught by the revealed segments, and banned."""
+    organiser = Identity.generate("organiser")
+    validator = validator_identities(1)[0]
+    bundle = build_run(organiser, "seg-run", synthetic_settings(), [validator.public])
+    run = RunContext.build(bundle.signed.message, bundle.dataset)
+    base = run.decode_model(bundle.genesis)
+    good = [Identity.generate("worker") for _ in range(2)]
+    bad = Identity.generate("worker")
+    preps = {w.public_key.hex(): honest(run, base, w) for w in good}
+    attack = cheat if cheat in ("sign_flip", "free_rider") else None
+    preps[bad.public_key.hex()] = prepare_submission(
+        run, bad, 0, base, run.spec.genesis_model_hash, ErrorFeedback(run.numel), attack=attack)
+    evidence = {k: v for p in preps.values() for k, v in p.evidence.items()}
+    prepared = {k: (p.signed.message, p.payload) for k, p in preps.items()}
+    sub = prepared[bad.public_key.hex()][0]
+    if cheat == "missing_reveal":
+        evidence.pop(sub.trail[-1])
+    if cheat == "forged_trail":
+        forged = [*sub.trail[:-1], "ab" * 32]
+        prepared[bad.public_key.hex()] = (dataclasses.replace(sub, trail=forged),
+                                          prepared[bad.public_key.hex()][1])
+
+    async def scenario(api: Api):
+        await submit_all(api, bundle, [*good, bad], prepared)
+        _, summary = await validate(api, run, validator, evidence)
+        return summary, (await api.get("/v1/runs/seg-run/participants"))[1]
+
+    summary, parts = run_api(tmp_path, scenario)
+    verdicts = {v["worker"]: v for v in summary["verdicts"]}
+    v = verdicts[bad.public_key.hex()]
+    assert v["status"] == "rejected" and v["reason"] == "spot_check_failed", v
+    assert v["score"] == 0
+    assert all(verdicts[w.public_key.hex()]["status"] == "accepted" for w in good)
+    banned = {p["pubkey"]: p["banned_until_round"] for p in parts["participants"]}
+    assert banned[bad.public_key.hex()] >= 0
+    assert all(banned[w.public_key.hex()] == -1 for w in good)
 
 
 def test_beacon_waits_for_quorum_and_is_the_same_for_every_validator(tmp_path):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from veritrain.protocol.beacon import beacon_root, beacon_seed_of
+from veritrain.protocol.challenges import max_reveal_bytes
 from veritrain.protocol.client import LedgerClient, LedgerRefused
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.follow import fetch_base, fetch_run
@@ -103,6 +104,26 @@ class ValidatorNode:
             reply = await client.get_json(path)
         return bytes.fromhex(beacon_seed_of(reply["beacon"]))
 
+    async def gather_evidence(self, client: LedgerClient, run_id: str, r: int,
+                              numel: int) -> dict[str, bytes]:
+        """Wait until every challenge is answered or the reveal deadline passes; fetch files.
+
+        What was not revealed in time is simply absent, and the segment checks
+        that need it fail.
+        """
+        path = f"/v1/runs/{run_id}/rounds/{r}/challenges"
+        view = await client.get_json(path)
+        while not view["complete"] and (not view["fixed"] or view["now"] < view["reveal_deadline"]):
+            await asyncio.sleep(self.config.poll_seconds)
+            view = await client.get_json(path)
+        evidence: dict[str, bytes] = {}
+        for c in view["challenges"]:
+            for digest in c["received"]:
+                if digest not in evidence:
+                    evidence[digest] = await client.get_blob(
+                        digest, max_bytes=max_reveal_bytes(numel))
+        return evidence
+
     async def validate_round(self, client: LedgerClient, run: RunContext,
                              info: dict[str, Any]) -> RoundOutcome:
         spec = run.spec
@@ -138,9 +159,10 @@ class ValidatorNode:
                 log.warning("payload of %s unavailable: %s", signed.message.worker[:12], exc)
                 payload = None
             candidates.append(Candidate(signed, payload))
+        evidence = await self.gather_evidence(client, spec.run_id, r, run.numel)
         outcome = await asyncio.to_thread(
             process_round, run, r, info["base_model_hash"], base_flat, momentum, candidates,
-            registered, banned, seed, device=self.config.device)
+            registered, banned, seed, evidence=evidence, device=self.config.device)
         model_bytes = run.encode_model(outcome.new_flat)
         outer_bytes = run.encode_model(outcome.new_momentum)
         certified = CertifiedState(

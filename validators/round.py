@@ -1,6 +1,6 @@
 """Processing one closed round: the validator's sans-IO core.
 
-    admit -> decode -> spot checks -> norm filter -> robust aggregate
+    admit -> decode -> segment checks -> norm filter -> robust aggregate
           -> outer Nesterov step -> eval loss -> verdicts and scores
 
 Everything here is a function of its inputs (the run, the base model and
@@ -11,6 +11,7 @@ that feeds it over HTTP stays thin.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,12 +19,13 @@ import torch
 from veritrain.aggregation import build_aggregator
 from veritrain.ledger.scoring import compute_scores, split_rewards
 from veritrain.protocol.beacon import derive_seed
+from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.outer import outer_step
 from veritrain.protocol.runtime import RunContext
 
 from .checks import Candidate, admit, norm_outliers
-from .spotcheck import recompute_distance, select_spot_checks
+from .segments import check_segment
 
 
 @dataclass
@@ -47,6 +49,13 @@ def clip_quality(updates: torch.Tensor, aggregate: torch.Tensor, tau: float | No
         return [1.0] * updates.shape[0]
     dist = torch.linalg.vector_norm((updates - aggregate).double(), dim=1)
     return [1.0 if d <= tau else float(tau / d) for d in dist.tolist()]
+
+
+def round_challenges(run: RunContext, candidates: list[Candidate], beacon_seed: bytes
+                     ) -> dict[str, list[int]]:
+    """The segments each worker in the sealed list must reveal (same rule as the ledger)."""
+    policy = ChallengePolicy.from_spec(run.spec.inner, run.spec.verification)
+    return compute_challenges(beacon_seed, sorted({c.worker for c in candidates}), policy)
 
 
 def resolve_aggregator_params(params: dict[str, Any], updates: torch.Tensor) -> dict[str, Any]:
@@ -76,9 +85,16 @@ def process_round(
     banned: set[str],
     beacon_seed: bytes,
     *,
+    evidence: Mapping[str, bytes] | None = None,
     device: str = "cpu",
 ) -> RoundOutcome:
+    """Verdicts, scores and the next model for one closed round.
+
+    ``evidence`` maps content hashes to the state and residual files the
+    challenged workers revealed (see :func:`round_challenges`).
+    """
     spec = run.spec
+    evidence = evidence or {}
     verdicts: dict[str, dict[str, Any]] = {}
     decoded: dict[str, torch.Tensor] = {}
 
@@ -86,7 +102,7 @@ def process_round(
         verdicts[c.worker] = {
             "worker": c.worker, "submission_digest": c.signed.digest, "status": "rejected",
             "reason": reason, "detail": detail[:500], "spot_checked": False, "distance": None,
-            **extra,
+            "checks": [], **extra,
         }
 
     by_worker: dict[str, Candidate] = {}
@@ -105,25 +121,30 @@ def process_round(
         except RejectedInput as exc:
             reject(c, exc.reason, str(exc))
 
-    checked = select_spot_checks(
-        beacon_seed, sorted(decoded), spec.verification["spot_checks_per_round"]
-    )
+    challenges = round_challenges(run, candidates, beacon_seed)
     distances: dict[str, float] = {}
-    for worker in checked:
-        distances[worker] = recompute_distance(
-            run, base_flat, round_index, worker, decoded[worker], device=device
-        )
-        if distances[worker] > spec.verification["tolerance"]:
+    checks: dict[str, list[dict[str, Any]]] = {}
+    for worker in sorted(decoded):
+        sub = by_worker[worker].signed.message
+        results = [check_segment(run, base_flat, sub, by_worker[worker].payload or b"", j,
+                                 evidence, device=device) for j in challenges.get(worker, [])]
+        checks[worker] = [x.to_json() for x in results]
+        finite = [x.distance for x in results if x.distance is not None]
+        if finite:
+            distances[worker] = min(max(finite), 1e300)
+        failed = [x for x in results if not x.ok]
+        if failed:
             reject(by_worker[worker], "spot_check_failed",
-                   f"recomputed update differs by {distances[worker]:.4g} "
-                   f"(tolerance {spec.verification['tolerance']:g})",
-                   spot_checked=True, distance=distances[worker])
+                   f"segment {failed[0].segment}: {failed[0].note}",
+                   spot_checked=True, distance=distances.get(worker), checks=checks[worker])
             del decoded[worker]
+    checked = sorted(checks)
 
     norms = {w: float(torch.linalg.vector_norm(u.double())) for w, u in decoded.items()}
     for worker, detail in norm_outliers(norms, spec.verification["norm_factor"]).items():
-        reject(by_worker[worker], "norm_outlier", detail, spot_checked=worker in distances,
-               distance=distances.get(worker))
+        reject(by_worker[worker], "norm_outlier", detail,
+               spot_checked=bool(checks.get(worker)), distance=distances.get(worker),
+               checks=checks.get(worker, []))
         del decoded[worker]
 
     accepted = sorted(decoded)
@@ -150,8 +171,8 @@ def process_round(
         c = by_worker[worker]
         verdicts[worker] = {
             "worker": worker, "submission_digest": c.signed.digest, "status": "accepted",
-            "reason": "", "detail": "", "spot_checked": worker in distances,
-            "distance": distances.get(worker),
+            "reason": "", "detail": "", "spot_checked": bool(checks.get(worker)),
+            "distance": distances.get(worker), "checks": checks.get(worker, []),
         }
     samples = {w: (by_worker[w].signed.message.samples if w in decoded else 0) for w in verdicts}
     scores = compute_scores(samples, quality)

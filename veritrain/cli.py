@@ -122,6 +122,10 @@ def cmd_validator(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    if args.what == "recheck":
+        from veritrain.validators.recheck import run_recheck
+
+        return asyncio.run(run_recheck(args))
     from veritrain.ledger.audit import run_audit
 
     return asyncio.run(run_audit(args))
@@ -223,12 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("audit", help="read and verify a run's ledger",
                        description="Show a run's report, one worker's history or one round, "
-                       "or verify the hash chain, signatures and certificates.")
+                       "verify the hash chain, signatures and certificates, or re-run a "
+                       "recorded spot check from the stored evidence.")
     a.add_argument("--ledger", required=True, help="ledger URL")
     a.add_argument("--run", help="run id (default: the ledger's only run)")
     a.add_argument("what", nargs="?", default="report",
-                   choices=["report", "worker", "round", "verify"])
+                   choices=["report", "worker", "round", "verify", "recheck"],
+                   help="recheck ROUND --worker KEY re-runs that worker's recorded spot checks")
     a.add_argument("arg", nargs="?", help="worker key (prefix) or round number")
+    a.add_argument("--worker", help="worker key prefix (for recheck)")
     a.add_argument("--json", action="store_true", help="print JSON")
     a.set_defaults(func=cmd_audit)
 
@@ -237,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "cheating) as processes on loopback, train charlm, and report.")
     d.add_argument("--workers", type=int, default=6)
     d.add_argument("--rounds", type=int, default=8)
-    d.add_argument("--validators", type=int, default=1)
+    d.add_argument("--validators", type=int, default=3,
+                   help="validators; two thirds of them certify each round")
     d.add_argument("--preset", default="demo", choices=["tiny", "demo", "bench"])
     d.add_argument("--out", default="demo-out", help="folder for the report, plot and logs")
     d.add_argument("--no-clean-run", action="store_true",

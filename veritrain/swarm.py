@@ -24,6 +24,7 @@ import torch
 from veritrain.aggregation import attacks as A
 from veritrain.aggregation import build_aggregator
 from veritrain.protocol.beacon import beacon_root, compute_beacon_seed
+from veritrain.protocol.challenges import ChallengePolicy, compute_challenges, needed_hashes
 from veritrain.protocol.codecs import ErrorFeedback
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.organiser import RunBundle, build_run
@@ -121,16 +122,34 @@ class Swarm:
         run = self.run
         active = [i for i, w in enumerate(self.workers)
                   if self.banned_until.get(w.public_key.hex(), -1) < r]
+        # The beacon share depends only on (run, round), and the challenges only on the
+        # seed and who submits, so they can be known here without changing anyone's
+        # behaviour; it lets each worker keep just the evidence it will be asked for.
+        share = self.validator.sign_bls(beacon_root(run.spec.run_id, r))
+        seed = compute_beacon_seed([share])
+        policy = ChallengePolicy.from_spec(run.spec.inner, run.spec.verification)
+        challenges = compute_challenges(
+            seed, sorted(self.workers[i].public_key.hex() for i in active), policy)
+        evidence: dict[str, bytes] = {}
+
+        def keep(prep: Any) -> Any:
+            sub = prep.signed.message
+            for digest in needed_hashes(sub.trail, challenges.get(sub.worker, []), sub.ef_hash):
+                if digest in prep.evidence:
+                    evidence[digest] = prep.evidence[digest]
+            prep.evidence = {}
+            return prep
+
         prepared: dict[int, Any] = {}
         for i in active:
             attack = self.byzantine.get(i)
             if attack in OMNISCIENT_ATTACKS:
                 continue
             ctx = self._flipped if attack == "label_flip" else run
-            prepared[i] = prepare_submission(
+            prepared[i] = keep(prepare_submission(
                 ctx, self.workers[i], r, self.base, self.base_hash, self.error_feedback[i],
                 attack=attack if attack in ("free_rider", "sign_flip") else None,
-                device=self.device)
+                device=self.device))
         omniscient = [i for i in active if self.byzantine.get(i) in OMNISCIENT_ATTACKS]
         if omniscient:
             honest = torch.stack([p.delta for i, p in prepared.items()
@@ -141,15 +160,14 @@ class Swarm:
             for attack, members in by_attack.items():
                 rows = self._omniscient(attack, honest, len(members), r)
                 for row, i in zip(rows, members, strict=True):
-                    prepared[i] = prepare_submission(
+                    prepared[i] = keep(prepare_submission(
                         run, self.workers[i], r, self.base, self.base_hash,
-                        self.error_feedback[i], replace_delta=row.float())
+                        self.error_feedback[i], replace_delta=row.float()))
         candidates = [Candidate(p.signed, p.payload) for p in prepared.values()]
         registered = {w.public_key.hex() for w in self.workers}
         banned = {w for w, until in self.banned_until.items() if until >= r}
-        share = self.validator.sign_bls(beacon_root(run.spec.run_id, r))
         outcome = process_round(run, r, self.base_hash, self.base, self.momentum, candidates,
-                                registered, banned, compute_beacon_seed([share]),
+                                registered, banned, seed, evidence=evidence,
                                 device=self.device)
         for i, p in prepared.items():
             self.error_feedback[i] = p.error_feedback
