@@ -18,6 +18,7 @@ from .certificates import verify_certificate
 from .client import LedgerClient, LedgerRefused
 from .errors import RejectedInput
 from .messages import RunSpec, open_signed
+from .outer import OuterState
 from .runtime import RunContext
 
 log = logging.getLogger("veritrain.follow")
@@ -61,24 +62,22 @@ async def fetch_run(client: LedgerClient, run_id: str | None, *, poll_seconds: f
 
 
 async def fetch_base(client: LedgerClient, run: RunContext, info: dict[str, Any]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Base model and outer momentum of a round, checked against its certificate."""
+                     ) -> tuple[torch.Tensor, OuterState]:
+    """Base model and outer state of a round (full download), checked against its certificate."""
     r = info["round"]
     if r == 0:
         if info["base_model_hash"] != run.spec.genesis_model_hash:
             raise RejectedInput("round 0 does not start from the genesis model", "invalid_base")
-        momentum_hash = None
+        outer_hash = None
     else:
         state = verify_certificate(info["base_certificate"], run.spec, base_of_round=r)
         if (state.model_hash, state.outer_state_hash) != (
                 info["base_model_hash"], info["outer_state_hash"]):
             raise RejectedInput("round's base differs from its certificate", "invalid_base")
-        momentum_hash = state.outer_state_hash
+        outer_hash = state.outer_state_hash
     flat = run.decode_model(await client.get_blob(info["base_model_hash"],
                                                   max_bytes=run.max_model_bytes))
-    if momentum_hash is None:
-        momentum = torch.zeros_like(flat)
-    else:
-        momentum = run.decode_model(await client.get_blob(momentum_hash,
-                                                          max_bytes=run.max_model_bytes))
-    return flat, momentum
+    if outer_hash is None:
+        return flat, OuterState.zeros(run.numel)
+    data = await client.get_blob(outer_hash, max_bytes=2 * run.max_model_bytes)
+    return flat, OuterState.from_bytes(data, run.numel)

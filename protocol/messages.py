@@ -355,6 +355,7 @@ class CertifiedState(Message):
     round: int
     model_hash: str
     outer_state_hash: str
+    update_hash: str
     verdicts_hash: str
     scores_hash: str
     eval_loss: float
@@ -364,6 +365,7 @@ class CertifiedState(Message):
         "round": f.integer(1, MAX_ROUND),
         "model_hash": f.HASH,
         "outer_state_hash": f.HASH,
+        "update_hash": f.HASH,
         "verdicts_hash": f.HASH,
         "scores_hash": f.HASH,
         "eval_loss": LOSS,

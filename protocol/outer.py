@@ -7,12 +7,19 @@ Nesterov momentum on the aggregated pseudo-gradient g (DiLoCo):
     theta' = theta - lr * m'                  (plain momentum)
 
 All in float32, elementwise, on CPU, so the certified model hash comes out
-bit for bit the same on any machine.
+bit for bit the same on any machine. The g applied is the *decoded* broadcast
+update (see :func:`encode_update`), so a worker holding theta, m and the
+round's small update payload computes theta' itself instead of downloading it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from .codecs import Codec
+from .tensors import decode_flat, encode_flat
 
 
 def outer_step(
@@ -31,3 +38,48 @@ def outer_step(
     new_m = m * mu + g
     step = g + new_m * mu if nesterov else new_m
     return p - step * lr, new_m
+
+
+@dataclass
+class OuterState:
+    """What the outer step carries between rounds, certified by ``outer_state_hash``.
+
+    ``momentum`` is the Nesterov buffer; ``residual`` is the validators' error
+    feedback on the broadcast update: what compression of the aggregate left
+    out, added to the next round's aggregate before it is encoded.
+    """
+
+    momentum: torch.Tensor
+    residual: torch.Tensor
+
+    @classmethod
+    def zeros(cls, numel: int) -> OuterState:
+        return cls(torch.zeros(numel), torch.zeros(numel))
+
+    @staticmethod
+    def layout(numel: int) -> list[tuple[str, tuple[int, ...]]]:
+        return [("momentum", (numel,)), ("residual", (numel,))]
+
+    def to_bytes(self) -> bytes:
+        return encode_flat(torch.cat([self.momentum, self.residual]),
+                           self.layout(self.momentum.numel()))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, numel: int) -> OuterState:
+        flat = decode_flat(data, cls.layout(numel), max_bytes=8 * numel + (1 << 20))
+        momentum, residual = flat.split([numel, numel])
+        return cls(momentum.clone(), residual.clone())
+
+
+def encode_update(codec: Codec, aggregate: torch.Tensor, residual: torch.Tensor, *, seed: int
+                  ) -> tuple[bytes, torch.Tensor, torch.Tensor]:
+    """Compress the round's aggregate for broadcast, with error feedback.
+
+    payload = encode(g + e);  sent = decode(payload);  e' = g + e - sent.
+    Returns (payload, sent, e'); the outer step uses ``sent``, so anyone holding
+    the payload reproduces the new model exactly.
+    """
+    target = aggregate.detach().float().cpu() + residual
+    payload = codec.encode(target, seed=seed)
+    sent = codec.decode(payload, target.numel(), seed=seed)
+    return payload, sent, target - sent

@@ -10,10 +10,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from .codecs import DEFAULT_CODEC, DEFAULT_CODEC_PARAMS
+
 _COMMON: dict[str, Any] = {
     # DiLoCo's outer optimizer: Nesterov momentum, lr 0.7, mu 0.9.
     "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
-    "codec": {"name": "fp16", "params": {}},
+    # The default codec (protocol/codecs/registry.py): chosen by end-to-end quality.
+    "codec": {"name": DEFAULT_CODEC, "params": dict(DEFAULT_CODEC_PARAMS)},
     # tau_rel: the clipping radius is tau_rel times the median distance of the
     # updates from their coordinate-wise median, so it follows the update scale.
     "aggregator": {"name": "centered_clip", "params": {"tau_rel": 1.0, "iterations": 10}},

@@ -20,6 +20,7 @@ from .codecs import Codec, get_codec
 from .data import get_data_assignment
 from .errors import RejectedInput
 from .messages import RunSpec
+from .outer import outer_step
 from .tasks import Task, load_task
 from .tensors import ParamShapes, decode_flat, encode_flat, flatten_params, numel_of, param_shapes
 from .training import InnerConfig, LocalTrainResult, evaluate, local_train
@@ -120,6 +121,18 @@ class RunContext:
             progress=progress,
             keep_states=keep_states,
         )
+
+    def update_seed(self, round_index: int) -> int:
+        """Seed for encoding round ``round_index``'s broadcast aggregate."""
+        return derive_seed(bytes.fromhex(self.spec.seed), "update", round_index)
+
+    def apply_update(self, params: torch.Tensor, momentum: torch.Tensor, payload: bytes,
+                     round_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """theta', m' from the round's broadcast update payload: the canonical outer step."""
+        sent = self.codec.decode(payload, self.numel, seed=self.update_seed(round_index))
+        outer = self.spec.outer
+        return outer_step(params, momentum, sent, lr=outer["lr"], mu=outer["momentum"],
+                          nesterov=outer["nesterov"])
 
     def evaluate(self, flat: torch.Tensor, *, device: str = "cpu") -> float:
         return evaluate(self.task, self.dataset, flat, device=device)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .certificates import verify_certificate
 from .client import LedgerClient, LedgerRefused
 from .codecs import ErrorFeedback
 from .follow import fetch_base, fetch_run
@@ -115,6 +116,16 @@ def apply_attack(attack: str | None, delta: torch.Tensor, seed: int) -> torch.Te
     raise ValueError(f"unknown attack {attack!r}; expected one of {ATTACKS}")
 
 
+@dataclass
+class LocalModel:
+    """The model a worker holds: the base of ``round``, with the outer momentum."""
+
+    round: int
+    params: torch.Tensor
+    momentum: torch.Tensor
+    model_hash: str
+
+
 class ProgressLine:
     """A one-line progress bar on a terminal, silent otherwise."""
 
@@ -141,6 +152,8 @@ class WorkerNode:
         self.me = identity.public_key.hex()
         self.refused: set[int] = set()
         self.ledger_key = ""
+        self.local: LocalModel | None = None
+        self.bytes_down = 0
 
     async def run(self, *, max_rounds: int | None = None) -> int:
         """Train and submit until the run ends (or ``max_rounds`` submissions); returns the count."""
@@ -179,6 +192,37 @@ class WorkerNode:
                 await asyncio.sleep(self.config.poll_seconds)
             return submitted
 
+    async def sync_model(self, client: LedgerClient, run: RunContext, info: dict[str, Any]
+                         ) -> torch.Tensor:
+        """The round's certified base model, as cheaply as possible.
+
+        A worker that holds the previous round's model applies the round's
+        small broadcast update itself (the canonical outer step) and accepts
+        the result only if it hashes to the certified model; otherwise, and
+        after joining or falling behind, it downloads the full model and
+        outer state.
+        """
+        r, target = info["round"], info["base_model_hash"]
+        local = self.local
+        if local is not None and local.model_hash == target:
+            return local.params
+        if local is not None and r > 0 and local.round == r - 1:
+            state = verify_certificate(info["base_certificate"], run.spec, base_of_round=r)
+            if state.model_hash == target:
+                payload = await client.get_blob(
+                    state.update_hash, max_bytes=run.codec.max_encoded_size(run.numel))
+                params, momentum = run.apply_update(local.params, local.momentum, payload, r - 1)
+                if sha256_hex(run.encode_model(params)) == target:
+                    self.local = LocalModel(r, params, momentum, target)
+                    self.bytes_down += len(payload)
+                    return params
+                log.warning("round %d: the broadcast update does not reproduce the certified "
+                            "model here; downloading it in full", r)
+        params, outer = await fetch_base(client, run, info)
+        self.bytes_down += 4 * run.numel * (1 if r == 0 else 3)
+        self.local = LocalModel(r, params, outer.momentum, target)
+        return params
+
     async def answer_challenges(self, client: LedgerClient, run_id: str,
                                 state: WorkerState) -> None:
         await answer_challenges_once(client, run_id, self.me, state)
@@ -186,7 +230,7 @@ class WorkerNode:
     async def train_and_submit(self, client: LedgerClient, run: RunContext, state: WorkerState,
                                info: dict[str, Any]) -> bool:
         spec, r = run.spec, info["round"]
-        base_flat, _ = await fetch_base(client, run, info)
+        base_flat = await self.sync_model(client, run, info)
         started = time.monotonic()
         prepared = await asyncio.to_thread(
             prepare_submission, run, self.identity, r, base_flat, info["base_model_hash"],

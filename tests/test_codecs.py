@@ -58,7 +58,8 @@ ALL_LOSSY = [
     ("bf16", {}),
     ("int8", {"block": 64}),
     ("int4", {"block": 32}),
-    ("topk", dict(DEFAULT_CODEC_PARAMS)),
+    ("topk", {"chunk": 4096, "dct_block": 0, "k": 64, "value_bits": 1}),
+    (DEFAULT_CODEC, dict(DEFAULT_CODEC_PARAMS)),
     ("topk", {"chunk": 256, "k": 16, "value_bits": 3}),
     ("topk", {"chunk": 256, "k": 8, "value_bits": 2, "dct_block": 64}),
     ("cocktail", {"chunk": 512, "sample": 4, "k": 16, "value_bits": 4}),
@@ -317,9 +318,9 @@ def test_topk_layout_size() -> None:
     ) + math.ceil(rows * 64 / 8)
 
 
-def test_default_codec_ratio_at_least_100x() -> None:
-    codec = default_codec()
-    assert codec.name == DEFAULT_CODEC
+def test_sparse_topk_ratio_at_least_100x() -> None:
+    assert default_codec().name == DEFAULT_CODEC
+    codec = get_codec("topk", {"chunk": 4096, "k": 64, "value_bits": 1})
     assert 4 * 4_000_000 / codec.max_encoded_size(4_000_000) >= 100
 
 

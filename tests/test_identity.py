@@ -57,7 +57,7 @@ def test_invalid_rogue_key_proof_of_possession():
 
 def _certificate(run, signers, state=None, signer_keys=None):
     state = state or CertifiedState(run_id=run.spec.run_id, round=1, model_hash="a" * 64,
-                                    outer_state_hash="b" * 64, verdicts_hash="c" * 64,
+                                    outer_state_hash="b" * 64, update_hash="e" * 64, verdicts_hash="c" * 64,
                                     scores_hash="d" * 64, eval_loss=2.5)
     keys = signer_keys or [run.validators[i] for i in signers]
     sig = bls.aggregate([k.sign_bls(state.signing_root()) for k in keys])

@@ -40,10 +40,11 @@ async def post_result(api: Api, run: FakeRun, v: Identity, r: int, base: str, se
     scores = [{"worker": x["worker"], "samples": 80, "quality": 1.0,
                "score": 80.0 if x["status"] == "accepted" else 0.0,
                "reward": rewards.get(x["worker"], 0.0)} for x in verdicts]
-    outer = b"momentum " + model
+    outer, update = b"momentum " + model, b"update " + model
     certified = CertifiedState(
         run_id=run.spec.run_id, round=r + 1, model_hash=hashlib.sha256(model).hexdigest(),
-        outer_state_hash=hashlib.sha256(outer).hexdigest(), verdicts_hash=digest_of(verdicts),
+        outer_state_hash=hashlib.sha256(outer).hexdigest(),
+        update_hash=hashlib.sha256(update).hexdigest(), verdicts_hash=digest_of(verdicts),
         scores_hash=digest_of(scores), eval_loss=2.0)
     result = RoundResult(run_id=run.spec.run_id, round=r, validator=v.public_key.hex(),
                          base_model_hash=base, beacon_seed=seed, verdicts=verdicts,
@@ -51,7 +52,7 @@ async def post_result(api: Api, run: FakeRun, v: Identity, r: int, base: str, se
                          attestation=v.sign_bls(certified.signing_root()).hex())
     return await api.post_parts(f"/v1/runs/{run.spec.run_id}/rounds/{r}/results",
                                 [("result", sign(v, result).encode()), ("model", model),
-                                 ("outer_state", outer)])
+                                 ("outer_state", outer), ("update", update)])
 
 
 def test_quorum_certifies_and_a_dissenting_validator_is_recorded(tmp_path):

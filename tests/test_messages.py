@@ -34,7 +34,7 @@ submissions = st.builds(
     ef_hash=hex32,
     loss_first=st.floats(-100, 100, allow_nan=False),
     loss_last=st.floats(-100, 100, allow_nan=False),
-    created_at=st.integers(0, 2**40),
+    created_at=st.integers(0, 2**40 - 1),
 )
 
 

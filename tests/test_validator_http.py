@@ -20,6 +20,7 @@ from veritrain.protocol.codecs import ErrorFeedback
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import Registration, Submission, sign
 from veritrain.protocol.organiser import build_run
+from veritrain.protocol.outer import OuterState
 from veritrain.protocol.presets import run_preset
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import sha256_hex
@@ -33,6 +34,8 @@ def synthetic_settings(challenges: float = 2.0) -> dict:
     settings = run_preset("tiny")
     settings["task"] = {"name": "synthetic", "preset": "tiny"}
     settings["verification"]["challenges_per_worker"] = challenges
+    # fp16: bad_payload writes a NaN into that codec's plain little-endian layout.
+    settings["codec"] = {"name": "fp16", "params": {}}
     settings["schedule"]["round_seconds"] = 30.0
     return settings
 
@@ -137,7 +140,7 @@ def test_invalid_payload_rejected_by_validator_and_kept_out_of_aggregate(tmp_pat
     only_honest = [Candidate(preps[w.public_key.hex()].signed, preps[w.public_key.hex()].payload)
                    for w in good]
     registered = {w.public_key.hex() for w in good}
-    reference = process_round(run, 0, run.spec.genesis_model_hash, base, torch.zeros_like(base),
+    reference = process_round(run, 0, run.spec.genesis_model_hash, base, OuterState.zeros(run.numel),
                               only_honest, registered, set(), bytes(32), evidence=evidence)
     assert torch.equal(outcome.aggregate, reference.aggregate)
     assert torch.equal(outcome.new_flat, reference.new_flat)

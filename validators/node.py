@@ -129,7 +129,7 @@ class ValidatorNode:
         spec = run.spec
         r = info["round"]
         started = time.monotonic()
-        base_flat, momentum = await fetch_base(client, run, info)
+        base_flat, outer = await fetch_base(client, run, info)
         seed = await self.beacon_seed(client, spec.run_id, r)
         sealed = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/submissions")
         parts = await client.get_json(f"/v1/runs/{spec.run_id}/participants")
@@ -161,13 +161,15 @@ class ValidatorNode:
             candidates.append(Candidate(signed, payload))
         evidence = await self.gather_evidence(client, spec.run_id, r, run.numel)
         outcome = await asyncio.to_thread(
-            process_round, run, r, info["base_model_hash"], base_flat, momentum, candidates,
+            process_round, run, r, info["base_model_hash"], base_flat, outer, candidates,
             registered, banned, seed, evidence=evidence, device=self.config.device)
         model_bytes = run.encode_model(outcome.new_flat)
-        outer_bytes = run.encode_model(outcome.new_momentum)
+        outer_bytes = outcome.new_outer.to_bytes()
         certified = CertifiedState(
             run_id=spec.run_id, round=r + 1, model_hash=sha256_hex(model_bytes),
-            outer_state_hash=sha256_hex(outer_bytes), verdicts_hash=digest_of(outcome.verdicts),
+            outer_state_hash=sha256_hex(outer_bytes),
+            update_hash=sha256_hex(outcome.update_payload),
+            verdicts_hash=digest_of(outcome.verdicts),
             scores_hash=digest_of(outcome.scores), eval_loss=outcome.eval_loss)
         result = RoundResult(
             run_id=spec.run_id, round=r, validator=self.me,
@@ -178,7 +180,8 @@ class ValidatorNode:
             f"/v1/runs/{spec.run_id}/rounds/{r}/results",
             [("result", sign(self.identity, result).encode(), "application/json"),
              ("model", model_bytes, "application/octet-stream"),
-             ("outer_state", outer_bytes, "application/octet-stream")])
+             ("outer_state", outer_bytes, "application/octet-stream"),
+             ("update", outcome.update_payload, "application/octet-stream")])
         rejected = [v for v in outcome.verdicts if v["status"] == "rejected"]
         log.info("round %d: %d accepted, %d rejected, eval loss %.4f, %s (%.1fs)", r,
                  len(outcome.accepted), len(rejected), outcome.eval_loss, reply["status"],

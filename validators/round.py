@@ -1,7 +1,8 @@
 """Processing one closed round: the validator's sans-IO core.
 
     admit -> decode -> segment checks -> norm filter -> robust aggregate
-          -> outer Nesterov step -> eval loss -> verdicts and scores
+          -> compress the aggregate (error feedback) -> outer Nesterov step on what
+          was sent -> eval loss -> verdicts and scores
 
 Everything here is a function of its inputs (the run, the base model and
 momentum, the sealed submissions and the beacon seed), so two honest
@@ -21,7 +22,7 @@ from veritrain.ledger.scoring import compute_scores, split_rewards
 from veritrain.protocol.beacon import derive_seed
 from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.errors import RejectedInput
-from veritrain.protocol.outer import outer_step
+from veritrain.protocol.outer import OuterState, encode_update, outer_step
 from veritrain.protocol.runtime import RunContext
 
 from .checks import Candidate, admit, norm_outliers
@@ -33,7 +34,8 @@ class RoundOutcome:
     verdicts: list[dict[str, Any]]
     scores: list[dict[str, Any]]
     new_flat: torch.Tensor
-    new_momentum: torch.Tensor
+    new_outer: OuterState
+    update_payload: bytes  # the compressed aggregate every worker applies itself
     eval_loss: float
     aggregate: torch.Tensor
     spot_checked: list[str] = field(default_factory=list)
@@ -79,7 +81,7 @@ def process_round(
     round_index: int,
     base_model_hash: str,
     base_flat: torch.Tensor,
-    momentum: torch.Tensor,
+    outer: OuterState,
     candidates: list[Candidate],
     registered: set[str],
     banned: set[str],
@@ -161,8 +163,10 @@ def process_round(
     else:
         aggregate = torch.zeros_like(base_flat)
         quality = {}
+    update_payload, sent, residual = encode_update(
+        run.codec, aggregate, outer.residual, seed=run.update_seed(round_index))
     new_flat, new_momentum = outer_step(
-        base_flat, momentum, aggregate, lr=spec.outer["lr"], mu=spec.outer["momentum"],
+        base_flat, outer.momentum, sent, lr=spec.outer["lr"], mu=spec.outer["momentum"],
         nesterov=spec.outer["nesterov"],
     )
     eval_loss = run.evaluate(new_flat, device=device)
@@ -186,7 +190,8 @@ def process_round(
         verdicts=[verdicts[w] for w in sorted(verdicts)],
         scores=score_rows,
         new_flat=new_flat,
-        new_momentum=new_momentum,
+        new_outer=OuterState(new_momentum, residual),
+        update_payload=update_payload,
         eval_loss=eval_loss,
         aggregate=aggregate,
         spot_checked=checked,

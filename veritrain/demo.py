@@ -76,7 +76,8 @@ def _run_swarm(procs: LocalProcesses, url: str, run_id: str, validators: list[tu
     return asyncio.run(_wait_finished(url, run_id, timeout, run_id))
 
 
-def _plot(path: Path, runs: dict[str, dict[str, Any]], genesis_loss: float) -> None:
+def _plot(path: Path, runs: dict[str, dict[str, Any]], genesis_loss: float,
+          caught: dict[str, Any]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,7 +87,17 @@ def _plot(path: Path, runs: dict[str, dict[str, Any]], genesis_loss: float) -> N
     for label, report in runs.items():
         pts = [(0, genesis_loss)] + [(r["round"] + 1, r["eval_loss"]) for r in report["rounds"]
                                      if r["eval_loss"] is not None]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        clean = label.startswith("clean")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label,
+                marker="s" if clean else "o", markersize=7 if clean else 4,
+                linestyle="--" if clean else "-", linewidth=2.5 if clean else 1.5,
+                alpha=0.6 if clean else 1.0)
+    for name, c in caught.items():
+        if c["caught_in_round"] is not None:
+            x = c["caught_in_round"] + 1
+            ax.axvline(x, color="grey", linewidth=0.8, linestyle=":")
+            ax.annotate(f"{name} caught", (x, ax.get_ylim()[1]), rotation=90, fontsize=8,
+                        va="top", ha="right", color="grey")
     ax.set_xlabel("rounds completed")
     ax.set_ylabel("eval loss (nats/byte)")
     ax.set_title("veritrain demo: charlm eval loss per round")
@@ -165,7 +176,8 @@ def run_demo(args: argparse.Namespace) -> int:
         _plot(out / "eval_loss.png",
               {("with cheaters" if k == "cheaters" else "clean (no cheaters)"): v
                for k, v in reports.items()},
-              genesis_loss=run.evaluate(run.decode_model(bundle.genesis)))
+              genesis_loss=run.evaluate(run.decode_model(bundle.genesis)),
+              caught=summary["cheaters"])
         print("\nsummary")
         for name, c in summary["cheaters"].items():
             status = (f"caught in round {c['caught_in_round']} ({c['reason']})"
@@ -177,6 +189,9 @@ def run_demo(args: argparse.Namespace) -> int:
             gap = final["cheaters"] / final["clean"] - 1
             print(f"  final eval loss: {final['cheaters']:.4f} with cheaters vs "
                   f"{final['clean']:.4f} clean ({gap:+.2%})")
+            if final["cheaters"] == final["clean"]:
+                print("    (identical: no cheating update ever reached the aggregate, so the "
+                      "model is bit for bit the clean run's)")
         print(f"  audit: {'OK' if audit.ok else 'FAILED'} ({audit.rows} rows, "
               f"{audit.signatures} signatures, {audit.certificates} certificates)")
         print(f"  plot: {out / 'eval_loss.png'}; report: {out / 'report.json'}")

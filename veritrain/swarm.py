@@ -28,6 +28,7 @@ from veritrain.protocol.challenges import ChallengePolicy, compute_challenges, n
 from veritrain.protocol.codecs import ErrorFeedback
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.organiser import RunBundle, build_run
+from veritrain.protocol.outer import OuterState
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import sha256_hex
 from veritrain.protocol.worker import prepare_submission
@@ -89,7 +90,7 @@ class Swarm:
             raise ValueError("a shared bundle must be built with this swarm's validator")
         self.base = self.run.decode_model(self.bundle.genesis)
         self.base_hash = self.run.spec.genesis_model_hash
-        self.momentum = torch.zeros_like(self.base)
+        self.outer = OuterState.zeros(self.run.numel)
         self.error_feedback = [ErrorFeedback(self.run.numel) for _ in self.workers]
         self.banned_until: dict[str, int] = {}
         if "label_flip" in self.byzantine.values():
@@ -166,7 +167,7 @@ class Swarm:
         candidates = [Candidate(p.signed, p.payload) for p in prepared.values()]
         registered = {w.public_key.hex() for w in self.workers}
         banned = {w for w, until in self.banned_until.items() if until >= r}
-        outcome = process_round(run, r, self.base_hash, self.base, self.momentum, candidates,
+        outcome = process_round(run, r, self.base_hash, self.base, self.outer, candidates,
                                 registered, banned, seed, evidence=evidence,
                                 device=self.device)
         for i, p in prepared.items():
@@ -174,7 +175,7 @@ class Swarm:
         for v in outcome.verdicts:
             if v["reason"] == "spot_check_failed":
                 self.banned_until[v["worker"]] = r + run.spec.verification["ban_rounds"]
-        self.base, self.momentum = outcome.new_flat, outcome.new_momentum
+        self.base, self.outer = outcome.new_flat, outcome.new_outer
         self.base_hash = sha256_hex(run.encode_model(self.base))
         return outcome
 
