@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,13 +39,13 @@ class LocalProcesses:
         self.procs[name] = proc
         return proc
 
-    def start_ledger(self, data_dir: Path, *, timeout: float = 60.0,
+    def start_ledger(self, data_dir: Path, *, timeout: float = 60.0, port: int = 0,
                      extra: list[str] | None = None) -> str:
-        """Start ``veritrain ledger serve`` on a free port; returns its URL once it listens."""
+        """Start ``veritrain ledger serve`` (port 0: any free one); returns its URL once it listens."""
         ready = data_dir.with_name(data_dir.name + ".ready")
         ready.unlink(missing_ok=True)
         proc = self.start("ledger", ["ledger", "serve", "--data-dir", str(data_dir), "--port",
-                                     "0", "--ready-file", str(ready), *(extra or [])])
+                                     str(port), "--ready-file", str(ready), *(extra or [])])
         deadline = time.monotonic() + timeout
         while not ready.exists():
             if proc.poll() is not None:
@@ -73,3 +74,10 @@ class LocalProcesses:
                 proc.wait()
         for log in self._logs:
             log.close()
+
+
+def free_port() -> int:
+    """A loopback TCP port that is free right now (for a server that must keep its port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
