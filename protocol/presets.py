@@ -24,43 +24,40 @@ _COMMON: dict[str, Any] = {
     "rewards": {"per_round": 100.0},
 }
 
+
+def _preset(task: str, *, steps: int, batch: int, lr: float, k: int, round_seconds: float,
+            rounds: int, challenges: float, always_last: bool, reveal_seconds: float,
+            ban_rounds: int, vesting_rounds: int) -> dict[str, Any]:
+    return {
+        **_COMMON,
+        "task": {"name": "charlm", "preset": task},
+        # beta2 0.95 adapts fast in short rounds; weight decay is left to the outer step.
+        "inner": {"steps": steps, "batch_size": batch, "lr": lr, "beta1": 0.9, "beta2": 0.95,
+                  "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0, "trail_every": k},
+        "schedule": {"round_seconds": round_seconds, "min_submissions": 1, "max_rounds": rounds},
+        "verification": {"spot_checks_per_round": 0, "challenges_per_worker": challenges,
+                         "always_last": always_last, "reveal_seconds": reveal_seconds,
+                         "tolerance": 0.02, "norm_factor": 10.0, "ban_rounds": ban_rounds,
+                         "vesting_rounds": vesting_rounds},
+    }
+
+
 RUN_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {
-        **_COMMON,
-        "task": {"name": "charlm", "preset": "tiny"},
-        "inner": {"steps": 10, "batch_size": 8, "lr": 3e-3, "beta1": 0.9, "beta2": 0.95,
-                  "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0, "trail_every": 5},
-        "schedule": {"round_seconds": 60.0, "min_submissions": 1, "max_rounds": 4},
-        # S = 2 segments and 2 challenges each: every worker is recomputed in full.
-        "verification": {"spot_checks_per_round": 0, "challenges_per_worker": 2.0,
-                         "always_last": True, "reveal_seconds": 30.0, "tolerance": 0.02,
-                         "norm_factor": 10.0, "ban_rounds": 3, "vesting_rounds": 2},
-    },
-    "demo": {
-        **_COMMON,
-        "task": {"name": "charlm", "preset": "demo"},
-        "inner": {"steps": 20, "batch_size": 16, "lr": 2e-3, "beta1": 0.9, "beta2": 0.95,
-                  "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0, "trail_every": 5},
-        "schedule": {"round_seconds": 120.0, "min_submissions": 1, "max_rounds": 8},
-        # S = 4: the last segment, which binds the payload to the trail, is always
-        # recomputed, so a payload cheat is caught at once and a free rider (no trail
-        # to reveal) in its first round; each of the 3 validators recomputes 25%.
-        "verification": {"spot_checks_per_round": 0, "challenges_per_worker": 1.0,
-                         "always_last": True, "reveal_seconds": 15.0, "tolerance": 0.02,
-                         "norm_factor": 10.0, "ban_rounds": 100, "vesting_rounds": 3},
-    },
-    "bench": {
-        **_COMMON,
-        "task": {"name": "charlm", "preset": "bench"},
-        "inner": {"steps": 30, "batch_size": 16, "lr": 2e-3, "beta1": 0.9, "beta2": 0.95,
-                  "eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0, "trail_every": 1},
-        "schedule": {"round_seconds": 600.0, "min_submissions": 1, "max_rounds": 30},
-        # S = 30, c = 1.5: recomputation is 1.5 / 30 = 5% of training; a worker faking
-        # a quarter of its segments escapes a round with p ~ 0.63, ten rounds with p ~ 0.01.
-        "verification": {"spot_checks_per_round": 0, "challenges_per_worker": 1.5,
-                         "always_last": False, "reveal_seconds": 120.0, "tolerance": 0.02,
-                         "norm_factor": 10.0, "ban_rounds": 100, "vesting_rounds": 5},
-    },
+    # S = 2 segments and 2 challenges each: every worker is recomputed in full.
+    "tiny": _preset("tiny", steps=10, batch=8, lr=3e-3, k=5, round_seconds=60.0, rounds=4,
+                    challenges=2.0, always_last=True, reveal_seconds=30.0, ban_rounds=3,
+                    vesting_rounds=2),
+    # S = 4: the last segment, which binds the payload to the trail, is always
+    # recomputed, so a payload cheat is caught at once and a free rider (no trail
+    # to reveal) in its first round; each of the 3 validators recomputes 25%.
+    "demo": _preset("demo", steps=20, batch=16, lr=2e-3, k=5, round_seconds=120.0, rounds=8,
+                    challenges=1.0, always_last=True, reveal_seconds=15.0, ban_rounds=100,
+                    vesting_rounds=3),
+    # S = 30, c = 1.5: recomputation is 1.5 / 30 = 5% of training; a worker faking
+    # a quarter of its segments escapes a round with p ~ 0.63, ten rounds with p ~ 0.01.
+    "bench": _preset("bench", steps=30, batch=16, lr=2e-3, k=1, round_seconds=600.0, rounds=30,
+                     challenges=1.5, always_last=False, reveal_seconds=120.0, ban_rounds=100,
+                     vesting_rounds=5),
 }
 
 
