@@ -1,0 +1,178 @@
+"""Each attack produces what its definition says."""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import pytest
+import torch
+from veritrain.aggregation import (
+    AggregationInputError,
+    CenteredClip,
+    CoordinateMedian,
+    Krum,
+    Mean,
+    TrimmedMean,
+)
+from veritrain.aggregation import attacks as atk
+
+N_H, F, D = 10, 3, 40
+
+
+def honest(dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7)
+    return (torch.randn(D, generator=gen) + 0.3 * torch.randn(N_H, D, generator=gen)).to(dtype)
+
+
+def assert_rows(out: torch.Tensor, row: torch.Tensor, f: int = F) -> None:
+    assert out.shape == (f, D) and out.dtype == row.dtype
+    for r in out:
+        torch.testing.assert_close(r, row, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sign_flip_is_minus_the_honest_mean(dtype):
+    x = honest(dtype)
+    assert_rows(atk.sign_flip(x, F), -x.mean(0))
+
+
+def test_ipm_is_minus_epsilon_times_the_mean():
+    x = honest()
+    assert_rows(atk.inner_product_manipulation(x, F), -0.1 * x.mean(0))
+    assert_rows(atk.inner_product_manipulation(x, F, epsilon=2.5), -2.5 * x.mean(0))
+    # with epsilon > (n_h / f) the mean of all rows points against mu
+    bad = atk.inner_product_manipulation(x, F, epsilon=5.0)
+    assert float(Mean()(torch.cat([x, bad])) @ x.mean(0)) < 0
+
+
+@pytest.mark.parametrize(
+    "n, f, s",
+    [(25, 5, 8), (16, 3, 6), (10, 0, 6), (7, 3, 1)],
+)
+def test_alie_z_follows_baruch_et_al(n, f, s):
+    assert math.floor(n / 2 + 1) - f == s
+    assert atk.alie_z(n, f) == pytest.approx(NormalDist().inv_cdf((n - s) / n), rel=1e-12)
+
+
+def test_alie_z_known_value():
+    # n = 25, f = 5: s = 8, z = Phi^-1(17/25) = 0.4677...
+    assert atk.alie_z(25, 5) == pytest.approx(0.46770, abs=1e-4)
+
+
+def test_invalid_alie_z():
+    with pytest.raises(AggregationInputError):
+        atk.alie_z(10, 6)  # s = 0: no honest row to win over
+    with pytest.raises(AggregationInputError):
+        atk.alie_z(0, 0)
+
+
+def test_alie_is_mean_minus_z_sigma():
+    x = honest()
+    z = atk.alie_z(N_H + F, F)
+    expected = x.mean(0) - z * x.std(0, correction=1)
+    assert_rows(atk.a_little_is_enough(x, F), expected)
+    assert_rows(atk.a_little_is_enough(x, F, z=1.5), x.mean(0) - 1.5 * x.std(0))
+    assert_rows(atk.a_little_is_enough(x, F, n=50), x.mean(0) - atk.alie_z(50, F) * x.std(0))
+    # within the honest spread on every coordinate: a median cannot exclude it
+    bad = atk.a_little_is_enough(x, F)[0]
+    assert bool(((bad >= x.min(0).values) & (bad <= x.max(0).values)).all())
+
+
+def test_gaussian_noise_is_seeded_and_has_the_requested_scale():
+    x = honest()
+    a = atk.gaussian_noise(x, F, std=2.0, generator=torch.Generator().manual_seed(1))
+    b = atk.gaussian_noise(x, F, std=2.0, generator=torch.Generator().manual_seed(1))
+    c = atk.gaussian_noise(x, F, std=2.0, generator=torch.Generator().manual_seed(2))
+    assert a.shape == (F, D) and torch.equal(a, b) and not torch.equal(a, c)
+    big = atk.gaussian_noise(
+        torch.zeros(2, 20_000, dtype=torch.float64), 2, std=2.0, generator=torch.Generator()
+    )
+    assert float(big.mean()) == pytest.approx(0.0, abs=0.05)
+    assert float(big.std()) == pytest.approx(2.0, rel=0.02)
+    centered = atk.gaussian_noise(x, F, std=0.0, generator=torch.Generator(), centered=True)
+    assert_rows(centered, x.mean(0))
+
+
+def test_free_rider_sends_zeros_or_noise():
+    x = honest(torch.float32)
+    zeros = atk.free_rider(x, F)
+    assert zeros.dtype == torch.float32 and torch.equal(zeros, torch.zeros(F, D))
+    noisy = atk.free_rider(x, F, noise_std=0.01, generator=torch.Generator().manual_seed(3))
+    assert 0 < float(noisy.abs().max()) < 0.1
+    with pytest.raises(AggregationInputError):
+        atk.free_rider(x, F, noise_std=0.01)
+
+
+def test_mimic_copies_one_honest_row():
+    x = honest()
+    assert_rows(atk.mimic(x, F, target=4), x[4])
+    with pytest.raises(AggregationInputError):
+        atk.mimic(x, F, target=N_H)
+
+
+def test_zero_byzantine_rows():
+    x = honest()
+    for rows in [atk.sign_flip(x, 0), atk.a_little_is_enough(x, 0), atk.mimic(x, 0)]:
+        assert rows.shape == (0, D)
+
+
+def test_line_maximize_finds_the_peak():
+    calls = []
+
+    def objective(t: float) -> float:
+        calls.append(t)
+        return -((t - 3.3) ** 2)
+
+    best = atk.line_maximize(objective, evaluations=30)
+    assert len(calls) == 30
+    assert best == pytest.approx(3.3, abs=0.1)
+    assert atk.line_maximize(lambda t: -t, evaluations=5) == 0.0
+
+
+def damage(agg, x, bad) -> float:
+    return float((agg(torch.cat([x, bad])) - x.mean(0)).norm())
+
+
+@pytest.mark.parametrize(
+    "agg", [Mean(), CoordinateMedian(), TrimmedMean(F), CenteredClip(1.0)], ids=repr
+)
+def test_optimal_attacks_beat_their_default_scales(agg):
+    x = honest()
+    for optimal, fixed in [
+        (atk.optimal_ipm(x, F, agg), atk.inner_product_manipulation(x, F)),
+        (atk.optimal_alie(x, F, agg), atk.a_little_is_enough(x, F)),
+    ]:
+        assert optimal.shape == (F, D)
+        assert damage(agg, x, optimal) >= damage(agg, x, fixed) - 1e-12
+
+
+def test_optimal_factors_are_the_argmax_of_the_damage():
+    x = honest()
+    agg = CoordinateMedian()
+    z = atk.optimal_alie_factor(x, F, agg, evaluations=20)
+    assert_rows(atk.optimal_alie(x, F, agg, evaluations=20), x.mean(0) - z * x.std(0))
+    best = damage(agg, x, atk.a_little_is_enough(x, F, z=z))
+    for probe in [0.0, 0.5, 1.0, 2.0, 4.0, 8.0]:
+        assert best >= damage(agg, x, atk.a_little_is_enough(x, F, z=probe)) - 1e-12
+    eps = atk.optimal_ipm_factor(x, F, Mean(), evaluations=10)
+    # against the mean, a larger epsilon always hurts more: the search keeps expanding
+    assert eps > 100
+
+
+def test_attacks_do_what_they_are_for_against_krum():
+    # ALIE rows sit inside the honest spread: Krum happily selects one of them.
+    x = honest()
+    bad = atk.a_little_is_enough(x, 4, z=0.3)
+    out = Krum(4)(torch.cat([x, bad]))
+    assert torch.equal(out, bad[0])
+
+
+def test_attacks_are_deterministic():
+    x = honest()
+    for fn in [
+        lambda: atk.optimal_ipm(x, F, TrimmedMean(F)),
+        lambda: atk.optimal_alie(x, F, CenteredClip(1.0)),
+        lambda: atk.gaussian_noise(x, F, generator=torch.Generator().manual_seed(9)),
+    ]:
+        assert fn().numpy().tobytes() == fn().numpy().tobytes()
