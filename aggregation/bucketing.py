@@ -15,6 +15,7 @@ from ._inputs import (
     check_weights,
     raise_if_nonfinite,
 )
+from ._parallel import map_chunks
 from .base import Aggregator
 from .errors import AggregationInputError
 
@@ -72,7 +73,13 @@ class Bucketing:
         for b, members in enumerate(buckets):
             share = torch.ones(members.numel(), dtype=torch.float64) if w is None else w[members]
             mix[b, members] = share / share.sum()
-        means = mix.to(device=x.device, dtype=x.dtype) @ x
+        mix_x = mix.to(device=x.device, dtype=x.dtype)
+        means = torch.empty(len(buckets), x.shape[1], dtype=x.dtype, device=x.device)
+
+        def work(a: int, b: int, _: None) -> None:
+            torch.mm(mix_x, x[:, a:b], out=means[:, a:b])
+
+        map_chunks(work, x.shape[1], 1 << 17, device=x.device, make_state=lambda: None)
         # A NaN/Inf row makes its bucket's mean non-finite; rows of weight 0 are
         # in no bucket, so they are checked directly.
         bucket_sums = means.sum(dim=1).to(device="cpu", dtype=torch.float64)

@@ -107,8 +107,10 @@ def centered_clip_with_stats(
 ) -> tuple[Tensor, CenteredClipStats]:
     """CenteredClip returning ``(v, CenteredClipStats)``; see ``CenteredClip``.
 
-    ``start`` may also be a [D] tensor, e.g. the previous round's aggregate
-    (the paper's momentum start): state is passed in, never kept.
+    ``start`` may also be a finite [D] tensor (used in the dtype of
+    ``updates``), e.g. the previous round's aggregate (the paper's momentum
+    start) or a coordinate-wise median the caller already has: state is passed
+    in, never kept.
     """
     tau = check_positive_real(tau, "tau")
     iterations = check_count(iterations, "iterations", minimum=1)
@@ -139,7 +141,7 @@ def centered_clip_with_stats(
         )
 
     if not isinstance(start, Tensor) and start == "mean":
-        coef0 = torch.cat([wn, torch.zeros(int(extra is not None) + int(include_origin))])
+        coef0 = torch.cat([wn, torch.zeros(int(include_origin), dtype=torch.float64)])
     else:
         coef0 = torch.zeros(n + 1, dtype=torch.float64)
         coef0[n] = 1.0  # the single extra point: start vector, median or origin

@@ -13,7 +13,6 @@ matters for which weight is trimmed away.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +27,7 @@ from ._inputs import (
     nonfinite_rows,
     raise_if_nonfinite,
 )
+from ._parallel import map_chunks
 from .errors import AggregationInputError, NonFiniteUpdateError
 from .sorting_network import apply_network, pruned_network
 
@@ -164,26 +164,18 @@ def _network_rule(
     n = len(rows)
     network = pruned_network(n, tuple(sorted({0, n - 1, *needed})))
     out = torch.empty(d, dtype=x.dtype, device=x.device)
-    chunk = d if x.device.type != "cpu" else CHUNK  # an accelerator wants few, large ops
-    starts = list(range(0, d, chunk))
-    workers = 1 if x.device.type != "cpu" else max(1, min(torch.get_num_threads(), len(starts)))
+    # an accelerator wants few, large ops (four chunks: scratch stays < the input)
+    chunk = CHUNK if x.device.type == "cpu" else max(CHUNK, -(-d // 4))
 
-    def work(first: int) -> list[Tensor]:
-        pool = torch.empty(n + 1, min(chunk, d), dtype=x.dtype, device=x.device)
-        checks: list[Tensor] = []
-        for a in starts[first::workers]:
-            b = min(a + chunk, d)
-            scratch = [buf[: b - a] for buf in pool]
-            wires = apply_network([x[i, a:b] for i in rows], network, scratch)
-            finish(wires, out[a:b])
-            checks.append(wires[0].sum() + wires[n - 1].sum())
-        return checks
+    def scratch() -> Tensor:
+        return torch.empty(n + 1, min(chunk, d), dtype=x.dtype, device=x.device)
 
-    if workers == 1:
-        checks = work(0)
-    else:
-        with ThreadPoolExecutor(workers) as executor:
-            checks = [c for part in executor.map(work, range(workers)) for c in part]
+    def work(a: int, b: int, pool: Tensor) -> Tensor:
+        wires = apply_network([x[i, a:b] for i in rows], network, [buf[: b - a] for buf in pool])
+        finish(wires, out[a:b])
+        return wires[0].sum() + wires[n - 1].sum()
+
+    checks = map_chunks(work, d, chunk, device=x.device, make_state=scratch)
     # Finite sums of the min and max wires mean finite rows (a large finite sum
     # may overflow: then the exact scan below finds nothing and all is well).
     if bool(torch.isfinite(torch.stack(checks).sum())):
@@ -200,14 +192,15 @@ def _sorted_rule(x: Tensor, act: Tensor, reduce: Reducer) -> Tensor:
     """Apply ``reduce`` to the active rows of every column chunk; check finiteness."""
     n, d = x.shape
     out = torch.empty(d, dtype=x.dtype, device=x.device)
-    rowsum = torch.zeros(n, dtype=torch.float64, device=x.device)
     rows = act.to(x.device)
-    for a in range(0, d, CHUNK):
-        b = min(a + CHUNK, d)
+
+    def work(a: int, b: int, _: None) -> Tensor:
         chunk = x[:, a:b]
-        rowsum += chunk.sum(dim=1)  # non-finite for a NaN/Inf row: checked below
         out[a:b] = reduce(chunk.index_select(0, rows))
-    raise_if_nonfinite(x, rowsum)
+        return chunk.sum(dim=1)  # non-finite for a NaN/Inf row: checked below
+
+    sums = map_chunks(work, d, CHUNK, device=x.device, make_state=lambda: None)
+    raise_if_nonfinite(x, torch.stack(sums).double().sum(dim=0))
     return out
 
 

@@ -32,7 +32,8 @@ float32 products are summed over at most ``SUBBLOCK`` columns, then in float64.
 error bound is too large, redoes the Gram centered near the result, then with
 float64 products (about 3x slower).  This is rare.
 
-Memory: a few [P, P] matrices, plus one [P, CENTERED_CHUNK] buffer when centered.
+Memory: a few [P, P] matrices per chunk, plus one [P, chunk] buffer per thread
+when centered or when extra points are stacked on the rows.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 from torch import Tensor
 
 from ._inputs import raise_if_nonfinite
+from ._parallel import map_chunks
 from .errors import AggregationInputError, OversizedUpdateError
 
 __all__ = [
@@ -55,15 +57,17 @@ __all__ = [
     "pairwise_sq_dists",
 ]
 
-#: Columns per step of the raw Gram (views of the input: no copy; the batched
-#: product holds RAW_CHUNK / SUBBLOCK small [P, P] float32 results).
-RAW_CHUNK = 1 << 22
+#: Columns per step of the raw Gram (views of the input: no copy, unless extra
+#: points are stacked on; the batched product holds RAW_CHUNK / SUBBLOCK small
+#: [P, P] float32 results).
+RAW_CHUNK = 1 << 17
 #: Columns per step of the centered Gram; its buffer is P x this.
 CENTERED_CHUNK = 1 << 16
 #: float32 products are summed over at most this many columns before float64.
 SUBBLOCK = 1024
-#: Columns sampled (evenly spaced) to pick the reference row and estimate kappa.
-SAMPLE = 4096
+#: Values sampled (evenly spaced runs of 64 columns of every row) to pick the
+#: reference row and estimate kappa: 1024 columns for 16 rows.
+SAMPLE = 16384
 #: Largest kappa = (||x_i|| + ||x_r||)^2 / ||x_i - x_r||^2 (median over rows)
 #: for which the raw Gram is precise enough: relative error ~ rel_error * kappa.
 _KAPPA_F32 = 16.0
@@ -200,11 +204,19 @@ def _sample_reference(updates: Tensor, candidates: Tensor) -> tuple[int, float]:
     a raw (uncentered) Gram would lose.
     """
     d = updates.shape[1]
-    stride = max(1, d // SAMPLE)
+    # SAMPLE columns in evenly spaced runs of 64: a few cache lines per run,
+    # where single strided columns would cost one cache miss each.
     rows = candidates.to(updates.device)
-    sample = updates[:, ::stride].index_select(0, rows).to(torch.float64).cpu()
-    finite = torch.isfinite(sample).all(dim=1)
-    if not bool(finite.all()):
+    # At most SAMPLE values in all: small tensors stay below torch's parallel
+    # grain, so these ops never wait on other threads.
+    width = max(64, SAMPLE // max(1, rows.numel()) // 64 * 64)
+    if d <= width:
+        sample = updates.index_select(0, rows)
+    else:
+        starts = torch.linspace(0, d - 64, width // 64).long().tolist()
+        sample = torch.cat([updates[:, a : a + 64] for a in starts], dim=1).index_select(0, rows)
+    sample = sample.to(device="cpu", dtype=torch.float64)
+    if not bool(torch.isfinite(sample.sum(dim=1)).all()):
         return int(candidates[0]), math.inf  # NaN/Inf rows: the Gram will name them
     if candidates.numel() < 2:
         return int(candidates[0]), 1.0
@@ -250,21 +262,24 @@ def _accumulate_raw(updates: Tensor, extra: Tensor | None, include_origin: bool)
     """[p_i . p_j] for the rows, the extra points and the origin (zeros), float64."""
     n, d = updates.shape
     e = 0 if extra is None else extra.shape[0]
+
+    def work(a: int, b: int, _: None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        rows = updates[:, a:b]
+        if extra is None:
+            return _products(rows, rows), None, None
+        ex = extra[:, a:b].to(updates.dtype)
+        return _products(rows, rows), _products(rows, ex), _products(ex, ex)
+
+    parts = map_chunks(work, d, RAW_CHUNK, device=updates.device, make_state=lambda: None)
     p = n + e + int(include_origin)
-    gram = torch.zeros(p, p, dtype=torch.float64, device=updates.device)
-    # With extra points each chunk is read twice: keep it small enough to stay in cache.
-    step = RAW_CHUNK if extra is None else CENTERED_CHUNK
-    for a in range(0, d, step):
-        b = min(a + step, d)
-        x = updates[:, a:b]
-        gram[:n, :n] += _products(x, x)
-        if extra is not None:
-            ex = extra[:, a:b].to(updates.dtype)
-            cross = _products(x, ex)
-            gram[:n, n : n + e] += cross
-            gram[n : n + e, :n] += cross.T
-            gram[n : n + e, n : n + e] += _products(ex, ex)
-    return gram.cpu()
+    gram = torch.zeros(p, p, dtype=torch.float64)
+    for xx, xe, ee in parts:  # in column order: the bytes do not depend on the thread count
+        gram[:n, :n] += xx.cpu()
+        if xe is not None and ee is not None:
+            gram[:n, n : n + e] += xe.cpu()
+            gram[n : n + e, :n] += xe.cpu().T
+            gram[n : n + e, n : n + e] += ee.cpu()
+    return gram
 
 
 def _accumulate_centered(
@@ -273,13 +288,14 @@ def _accumulate_centered(
     n, d = updates.shape
     e = 0 if extra is None else extra.shape[0]
     p = n + e + int(include_origin)
-    work = torch.float64 if wide else updates.dtype
-    gram = torch.zeros(p, p, dtype=torch.float64, device=updates.device)
-    buf = torch.empty(p * min(CENTERED_CHUNK, d), dtype=work, device=updates.device)
-    for a in range(0, d, CENTERED_CHUNK):
-        b = min(a + CENTERED_CHUNK, d)
+    work_dtype = torch.float64 if wide else updates.dtype
+
+    def buffer() -> Tensor:
+        return torch.empty(p * min(CENTERED_CHUNK, d), dtype=work_dtype, device=updates.device)
+
+    def work(a: int, b: int, buf: Tensor) -> Tensor:
         c = buf[: p * (b - a)].view(p, b - a)
-        r = updates[ref, a:b].to(work)
+        r = updates[ref, a:b].to(work_dtype)
         if wide:  # convert before subtracting: the float32 difference may overflow
             c[:n].copy_(updates[:, a:b])
             c[:n].sub_(r)
@@ -290,8 +306,13 @@ def _accumulate_centered(
             c[n : n + e].sub_(r)
         if include_origin:
             torch.neg(r, out=c[p - 1])
-        gram += _products(c, c)
-    return gram.cpu()
+        return _products(c, c)
+
+    parts = map_chunks(work, d, CENTERED_CHUNK, device=updates.device, make_state=buffer)
+    gram = torch.zeros(p, p, dtype=torch.float64)
+    for part in parts:  # in column order
+        gram += part.cpu()
+    return gram
 
 
 def _products(a: Tensor, b: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ._inputs import Weights, check_updates, check_weights, is_finite, nonfinite_rows
 from .errors import NonFiniteUpdateError
+from .span import combine
 
 __all__ = ["Mean", "normalized_weights"]
 
@@ -40,8 +41,7 @@ class Mean:
     def __call__(self, updates: Tensor, weights: Weights = None) -> Tensor:
         x = check_updates(updates)
         w = check_weights(weights, x.shape[0])
-        coef = normalized_weights(w, x.shape[0]).to(device=x.device, dtype=x.dtype)
-        out = torch.mv(x.T, coef)
+        out = combine(x, normalized_weights(w, x.shape[0]))
         # BLAS may skip zero coefficients, so rows of weight 0 are scanned directly.
         suspects = [] if w is None else torch.nonzero(w == 0).flatten().tolist()
         if not is_finite(out):

@@ -15,7 +15,11 @@ from typing import Protocol, TypeVar
 import torch
 from torch import Tensor
 
+from ._parallel import map_chunks
 from .gram import REL_ERROR_F64, Gram, compute_gram
+
+#: Columns per matrix-vector product when materializing a result.
+COMBINE_CHUNK = 1 << 17
 
 __all__ = [
     "Solution",
@@ -115,9 +119,14 @@ def combine(updates: Tensor, coef: Tensor, extra: Tensor | None = None) -> Tenso
     ``coef`` is indexed like the Gram points: N rows, then the extra rows, then
     (optionally) the origin, which contributes nothing.
     """
-    n = updates.shape[0]
+    n, d = updates.shape
     c = coef[:n].to(device=updates.device, dtype=updates.dtype)
-    out = torch.mv(updates.T, c)
+    out = torch.empty(d, dtype=updates.dtype, device=updates.device)
+
+    def work(a: int, b: int, _: None) -> None:
+        torch.mv(updates[:, a:b].T, c, out=out[a:b])
+
+    map_chunks(work, d, COMBINE_CHUNK, device=updates.device, make_state=lambda: None)
     if extra is not None:
         for j in range(extra.shape[0]):
             cj = float(coef[n + j])

@@ -138,6 +138,25 @@ def test_same_input_same_bytes(agg, weighted):
     assert torch.equal(x, before)  # inputs are not modified
 
 
+def test_same_bytes_whatever_the_thread_count():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 300_001, generator=gen)
+    x[:2] *= 30.0  # clipping and selection both matter
+    w = torch.rand(12, generator=gen).double()
+    rules = [CenteredClip(200.0), CenteredClip(200.0, start="zero"), MultiKrum(2)]
+    rules += [GeometricMedian(), TrimmedMean(2), CoordinateMedian(), Bucketing(Mean(), 3, 1)]
+    threads = torch.get_num_threads()
+    try:
+        digests = []
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            digests.append([agg(x, w).numpy().tobytes() for agg in rules])
+            digests[-1] += [agg(x).numpy().tobytes() for agg in rules]
+    finally:
+        torch.set_num_threads(threads)
+    assert digests[0] == digests[1]
+
+
 def test_no_global_random_state_is_used():
     x = rows(9, 100)
     state = torch.get_rng_state()

@@ -1,0 +1,257 @@
+"""Speed of the aggregation rules relative to a plain ``updates.mean(0)``.
+
+    .venv/bin/python bench/aggregation_speed.py [--n 16] [--d 4000000] [--repeats 5]
+
+For every rule: the median (and the minimum) wall time over ``--repeats``
+calls, divided by the median (minimum) time of ``updates.mean(0)`` measured in
+the same run, interleaved with the rules so that machine load affects both
+alike; the peak memory a call adds (measured in a fresh subprocess: VmHWM from
+/proc/self/status after a reset through /proc/self/clear_refs, with glibc told
+to return large blocks to the system so resident memory tracks live
+tensors); and, with ``--check``, the error relative to a straightforward
+float64 implementation.
+
+The last line is machine-readable:
+
+    aggregation_speed: centered_clip=<x>x krum=<x>x geometric_median=<x>x trimmed_mean=<x>x median=<x>x
+
+(ratios of medians).  centered_clip is CenteredClip with 10 iterations from the
+origin (tol=0 forces all 10), the configuration of the reference
+implementations; the median-start variant, which adds a coordinate-wise
+median, is in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from veritrain.aggregation import (
+    CenteredClip,
+    CoordinateMedian,
+    GeometricMedian,
+    Krum,
+    Mean,
+    MultiKrum,
+    TrimmedMean,
+    build_aggregator,
+)
+
+Fn = Callable[[torch.Tensor], torch.Tensor]
+HEADLINE = ["centered_clip", "krum", "geometric_median", "trimmed_mean", "median"]
+
+
+def make_inputs(n: int, d: int, seed: int) -> torch.Tensor:
+    """Pseudo-gradients sharing a common direction plus per-worker noise."""
+    gen = torch.Generator().manual_seed(seed)
+    common = torch.randn(d, generator=gen)
+    return common + torch.randn(n, d, generator=gen)
+
+
+def make_rules(d: int, f: int) -> dict[str, Fn]:
+    tau = math.sqrt(d)  # about half the typical distance between rows: clipping is active
+    return {
+        "mean": Mean(),
+        "centered_clip": CenteredClip(tau, iterations=10, tol=0.0, start="zero"),
+        "centered_clip_median_start": CenteredClip(tau, iterations=10, tol=0.0, start="median"),
+        "centered_clip_mean_start": CenteredClip(tau, iterations=10, tol=0.0, start="mean"),
+        "krum": Krum(f),
+        "multi_krum": MultiKrum(f),
+        "geometric_median": GeometricMedian(),
+        "trimmed_mean": TrimmedMean(f),
+        "median": CoordinateMedian(),
+        "bucketing2_centered_clip": build_aggregator(
+            "centered_clip", {"tau": tau, "start": "zero", "tol": 0.0, "bucket_size": 2}, seed=1
+        ),
+    }
+
+
+# --- memory -----------------------------------------------------------------------
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def probe_memory(args: argparse.Namespace) -> None:
+    """Child process: print the peak MiB that one call of ``args.probe`` adds."""
+    x = make_inputs(args.n, args.d, args.seed)
+    fn = make_rules(args.d, args.f)[args.probe]
+    fn(x[:, : min(args.d, 1 << 16)].contiguous())  # warm up (thread pool, caches)
+    before = _status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    fn(x)
+    print(max(_status_kib("VmHWM") - before, 0) / 1024)
+
+
+def peak_extra_mib(args: argparse.Namespace, rule: str) -> float | None:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
+    cmd = [
+        sys.executable,
+        __file__,
+        "--probe",
+        rule,
+        "--n",
+        str(args.n),
+        "--d",
+        str(args.d),
+        "--f",
+        str(args.f),
+        "--seed",
+        str(args.seed),
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        return None
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+# --- straightforward float64 references (for --check) -------------------------------
+
+
+def ref_centered_clip_zero(x: torch.Tensor, tau: float, iterations: int) -> torch.Tensor:
+    v = torch.zeros(x.shape[1], dtype=torch.float64)
+    for _ in range(iterations):
+        diff = x - v
+        norm = diff.norm(dim=1)
+        clip = torch.where(norm > tau, tau / norm.clamp(min=tau), torch.ones_like(norm))
+        v = v + (clip / x.shape[0]) @ diff
+        del diff
+    return v
+
+
+def ref_krum(x: torch.Tensor, f: int) -> torch.Tensor:
+    n = x.shape[0]
+    d = torch.stack([((x - x[i]) ** 2).sum(dim=1) for i in range(n)])
+    d.fill_diagonal_(float("inf"))
+    scores = d.sort(dim=1).values[:, : n - f - 2].sum(dim=1)
+    return x[int(torch.argmin(scores))]
+
+
+def ref_geometric_median(x: torch.Tensor, iterations: int, tol: float, eps: float) -> torch.Tensor:
+    w = torch.full((x.shape[0],), 1.0 / x.shape[0], dtype=torch.float64)
+    v = w @ x
+    for _ in range(iterations):
+        dist = (x - v).norm(dim=1)
+        beta = w / dist.clamp(min=eps)
+        new = (beta / beta.sum()) @ x
+        step = float((new - v).norm())
+        v = new
+        if step <= tol * float(dist.sort().values[(x.shape[0] - 1) // 2]):
+            break
+    return v
+
+
+def ref_sorted(x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    out = torch.empty(x.shape[1], dtype=torch.float64)
+    for a in range(0, x.shape[1], 1 << 18):
+        out[a : a + (1 << 18)] = reduce(x[:, a : a + (1 << 18)].sort(dim=0).values)
+    return out
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).norm() / ref.norm().clamp(min=1e-300))
+
+
+def check_errors(x: torch.Tensor, rules: dict[str, Fn], f: int) -> dict[str, float]:
+    n, d = x.shape
+    x64 = x.double()
+    gm = GeometricMedian()
+    refs: dict[str, Callable[[], torch.Tensor]] = {
+        "mean": lambda: x64.mean(0),
+        "centered_clip": lambda: ref_centered_clip_zero(x64, math.sqrt(d), 10),
+        "krum": lambda: ref_krum(x64, f),
+        "geometric_median": lambda: ref_geometric_median(x64, gm.iterations, gm.tol, gm.eps),
+        "trimmed_mean": lambda: ref_sorted(x64, lambda s: s[f : n - f].mean(0)),
+        "median": lambda: ref_sorted(x64, lambda s: (s[(n - 1) // 2] + s[n // 2]) / 2),
+    }
+    return {name: rel_error(rules[name](x), ref()) for name, ref in refs.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, default=16, help="rows (workers)")
+    parser.add_argument("--d", type=int, default=4_000_000, help="columns (parameters)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--f", type=int, default=3, help="Byzantine rows for Krum/trimmed mean")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument(
+        "--check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compare with straightforward float64 implementations",
+    )
+    parser.add_argument(
+        "--memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure peak extra memory (one subprocess per rule)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--probe", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.probe:
+        probe_memory(args)
+        return
+
+    x = make_inputs(args.n, args.d, args.seed)
+    rules = make_rules(args.d, args.f)
+    baseline: Fn = lambda t: t.mean(0)  # noqa: E731
+    for fn in [baseline, *rules.values()]:  # warm up (allocator, thread pool)
+        fn(x[:, : min(args.d, 1 << 16)].contiguous())
+    times: dict[str, list[float]] = {name: [] for name in rules}
+    base_times: list[float] = []
+    for _ in range(args.repeats):
+        for name, fn in rules.items():
+            start = time.perf_counter()
+            baseline(x)
+            base_times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            fn(x)
+            times[name].append(time.perf_counter() - start)
+    base_med, base_min = statistics.median(base_times), min(base_times)
+
+    errors = check_errors(x, rules, args.f) if args.check else {}
+    input_mib = x.numel() * x.element_size() / 2**20
+    print(
+        f"aggregation speed: N={args.n} D={args.d} float32 ({input_mib:.0f} MiB), "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} repeats"
+    )
+    print(f"baseline updates.mean(0): median {base_med * 1e3:.1f} ms, min {base_min * 1e3:.1f} ms")
+    print(
+        f"{'rule':<28}{'median ms':>10}{'x mean':>8}{'min ms':>8}{'x mean':>8}"
+        f"{'peak extra MiB':>16}{'rel err vs f64':>16}"
+    )
+    ratios: dict[str, float] = {}
+    for name in rules:
+        med, low = statistics.median(times[name]), min(times[name])
+        ratios[name] = med / base_med
+        peak = peak_extra_mib(args, name) if args.memory else None
+        peak_s = "-" if peak is None else f"{peak:.0f}"
+        err_s = f"{errors[name]:.1e}" if name in errors else "-"
+        print(
+            f"{name:<28}{med * 1e3:>10.1f}{ratios[name]:>8.2f}{low * 1e3:>8.1f}"
+            f"{low / base_min:>8.2f}{peak_s:>16}{err_s:>16}"
+        )
+    print(
+        f"(extra memory limit: one more copy of the input = {input_mib:.0f} MiB; "
+        f"the result alone is {input_mib / args.n:.0f} MiB)"
+    )
+    print("aggregation_speed: " + " ".join(f"{k}={ratios[k]:.2f}x" for k in HEADLINE))
+
+
+if __name__ == "__main__":
+    main()
