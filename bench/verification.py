@@ -1,0 +1,952 @@
+"""Verification calibration: honest divergence, cheat divergence, validator cost, detection power.
+
+A challenged segment is judged by :func:`veritrain.validators.segments.check_segment`:
+the validator recomputes the segment's k steps from the revealed start state and
+accepts when ``state_distance(recomputed, claimed)`` (the largest relative L2
+distance over params, exp_avg and exp_avg_sq) is at most the run's tolerance and,
+for the last segment, the payload re-derives byte for byte from the revealed end
+state. This benchmark measures, at the ``bench`` preset (charlm, 1.03M params,
+H = 30, k = 1, so S = 30, c = 1.5):
+
+* **honest divergence**: the distance between a worker's revealed state and the
+  validator's recomputation when they differ only in torch thread count (both
+  ways), in deterministic versus default kernels, and CPU versus CUDA where a GPU
+  is present; over base models of several rounds (genesis and the swarm's later
+  models) and many workers, plus k = 5 and k = 10 regroupings of the same trails
+  (reported per k: multi-step segments diverge far more);
+* **cheats**, each built as that cheater would build its revealed files and
+  payload: a skipped step (k = 1: one zero-gradient AdamW step; k = 10: 9 of 10
+  steps real), a segment trained on another worker's rows, half the batch, last
+  round's payload re-submitted with an honest trail, last round's whole update and
+  trail re-submitted (lazy), 1% relative Gaussian noise on a revealed state, 1%
+  noise on the update (end state made consistent with it), the learning rate off
+  by 2x either way, and a free rider (no states at all);
+* **cost**: the validator's segment-check CPU time over the workers' local training
+  CPU time (``time.process_time``, so other users of a shared machine distort it less
+  than wall time, which is printed too), measured in the in-process swarm (the nodes'
+  code path) with 16 workers and one free rider, besides the analytic ``E[challenged]/S``;
+* **power**: the probability that a free rider is caught in its first round and
+  that a worker faking 25% of its segments is caught within 10 rounds, derived
+  (hypergeometric) and by Monte Carlo over beacon seeds with ``compute_challenges``.
+
+Every check is made with a copy of the run whose tolerance is infinite, so that it
+reports the distance and every other verdict (reveals, steps, payload binding);
+a check is *flagged* at tolerance t when it fails for another reason or its
+distance exceeds t. The chosen tolerance is the geometric mean of the largest
+honest distance over segments of the run's k (at least float32's epsilon) and the
+smallest cheat distance; ``honest_false_positives`` counts those same checks.
+
+The last line is the one the issue tracks::
+
+    verification: honest_false_positives=<k>/<n> weakest_cheat_detected=<p> validator_cost=<x.x%>
+
+Run: ``.venv/bin/python bench/verification.py [--quick] [--checks N] [--threads A,B]``.
+The script re-executes itself with ``OMP_WAIT_POLICY=PASSIVE`` unless the
+variable is set: on a shared 2-core machine OpenMP's spinning threads make a
+2-thread step 10-20x slower, which only distorts timings, never results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import math
+import os
+import random
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
+from veritrain.protocol.codecs import ErrorFeedback
+from veritrain.protocol.identity import Identity
+from veritrain.protocol.messages import Submission
+from veritrain.protocol.runtime import RunContext
+from veritrain.protocol.tensors import sha256_hex
+from veritrain.protocol.training import TrainingState, train_segment
+from veritrain.protocol.worker import prepare_submission
+from veritrain.validators.segments import check_segment
+
+#: Tolerance this benchmark recommends for ``verification.tolerance`` with one-step
+#: segments (k = 1, the bench preset; see the spec's "Verification calibration"): the
+#: geometric mean of the largest honest distance (7.2e-8, 1 vs 2 threads, raised to float32's
+#: epsilon 1.2e-7) and the smallest cheat distance (2.09e-3, 1% noise on the update) at the
+#: bench scale, 1.6e-5, rounded to one significant digit. Longer segments diverge honestly
+#: far more (1e-4 at k = 10 in the full run, 0.12 in one --quick segment): it is for k = 1.
+RECOMMENDED_TOLERANCE = 2e-5
+#: Smallest honest distance the tolerance is chosen against: float32's epsilon.
+FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
+#: Relative size of the "1% noise" cheats.
+NOISE = 0.01
+
+
+# --- settings and small helpers -------------------------------------------------------
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """``torch.set_num_threads(n)`` inside the block."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
+@contextlib.contextmanager
+def worker_kernels(deterministic: bool) -> Iterator[None]:
+    """Make the worker path (``prepare_submission`` -> ``local_train``) use default kernels."""
+    if deterministic:
+        yield
+        return
+    import veritrain.protocol.runtime as runtime
+
+    original = runtime.local_train
+    runtime.local_train = functools.partial(original, deterministic=False)
+    try:
+        yield
+    finally:
+        runtime.local_train = original
+
+
+def judging_run(run: RunContext, tolerance: float = math.inf) -> RunContext:
+    """``run`` with another spot-check tolerance (infinite: report distances, judge the rest)."""
+    verification = {**run.spec.verification, "tolerance": tolerance}
+    return dataclasses.replace(run, spec=dataclasses.replace(run.spec, verification=verification))
+
+
+def regrouped(run: RunContext, k: int) -> RunContext:
+    """``run`` with trail_every = k (same H)."""
+    return dataclasses.replace(run, inner=dataclasses.replace(run.inner, trail_every=k))
+
+
+# --- claims and checks ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One submission as a validator sees it: run, base, envelope, payload, revealed files."""
+
+    run: RunContext
+    base: torch.Tensor
+    sub: Submission
+    payload: bytes
+    evidence: Mapping[str, bytes]
+
+    @property
+    def k(self) -> int:
+        return self.run.inner.trail_every
+
+    @property
+    def last(self) -> int:
+        return len(self.sub.trail) - 1
+
+    def start(self, j: int) -> TrainingState:
+        if j == 0:
+            return TrainingState.initial(self.base)
+        return TrainingState.from_bytes(self.evidence[self.sub.trail[j - 1]], numel=self.run.numel)
+
+    def end(self, j: int) -> TrainingState:
+        return TrainingState.from_bytes(self.evidence[self.sub.trail[j]], numel=self.run.numel)
+
+    def rows(self, j: int) -> torch.Tensor:
+        return self.run.assignment(self.sub.round, self.sub.worker)[j * self.k:(j + 1) * self.k]
+
+    def trimmed(self, segments: Sequence[int]) -> Claim:
+        """The same claim keeping only the files that ``segments`` need (to save memory)."""
+        keep = {self.sub.ef_hash} | {self.sub.trail[j] for j in segments}
+        keep |= {self.sub.trail[j - 1] for j in segments if j > 0}
+        return dataclasses.replace(
+            self, evidence={h: b for h, b in self.evidence.items() if h in keep})
+
+    def regroup(self, k: int) -> Claim:
+        """The claim a worker with trail_every = k would have made (same training, same files)."""
+        factor = k // self.k
+        if factor < 1 or k % self.k:
+            raise ValueError(f"cannot regroup k={self.k} into k={k}")
+        trail = list(self.sub.trail[factor - 1::factor])
+        return dataclasses.replace(self, run=regrouped(self.run, k),
+                                   sub=dataclasses.replace(self.sub, trail=trail))
+
+
+@dataclass(frozen=True)
+class Check:
+    """Outcome of one segment check judged with an infinite tolerance."""
+
+    distance: float | None
+    ok: bool  # passed every test but the distance one
+    note: str
+
+    def flagged(self, tolerance: float) -> bool:
+        return (not self.ok) or self.distance is None or not self.distance <= tolerance
+
+
+def judge(claim: Claim, j: int, *, threads: int | None = None, device: str = "cpu") -> Check:
+    """Run the validator's :func:`check_segment` on segment ``j`` of ``claim``."""
+    with num_threads(threads or torch.get_num_threads()):
+        res = check_segment(claim.run, claim.base, claim.sub, claim.payload, j, claim.evidence,
+                            device=device)
+    return Check(res.distance, res.ok, res.note)
+
+
+def honest_claim(run: RunContext, identity: Identity, r: int, base: torch.Tensor,
+                 error_feedback: ErrorFeedback, *, threads: int, deterministic: bool = True,
+                 device: str = "cpu") -> Claim:
+    """A worker's honest submission through the node's own ``prepare_submission``."""
+    base_hash = sha256_hex(run.encode_model(base))
+    with num_threads(threads), worker_kernels(deterministic):
+        prep = prepare_submission(run, identity, r, base, base_hash, error_feedback,
+                                  device=device)
+    return Claim(judging_run(run), base, prep.signed.message, prep.payload, prep.evidence)
+
+
+def free_rider_claim(run: RunContext, identity: Identity, r: int, base: torch.Tensor) -> Claim:
+    """A free rider: a random update and a trail of hashes of nothing."""
+    prep = prepare_submission(run, identity, r, base, sha256_hex(run.encode_model(base)),
+                              ErrorFeedback(run.numel), attack="free_rider")
+    return Claim(judging_run(run), base, prep.signed.message, prep.payload, prep.evidence)
+
+
+# --- cheats ---------------------------------------------------------------------------
+
+
+class ZeroGradTask:
+    """The task with a loss whose gradient is zero: an AdamW step that skips the compute."""
+
+    def __init__(self, task: Any) -> None:
+        self._task = task
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return sum(p.sum() for p in model.parameters()) * 0.0  # type: ignore[return-value]
+
+
+def rederive_payload(claim: Claim, end: TrainingState) -> bytes:
+    """The payload that re-derives from ``end`` with the claim's committed residual."""
+    ef = ErrorFeedback.from_bytes(claim.evidence[claim.sub.ef_hash], claim.run.numel)
+    payload, _ = ef.step(claim.run.codec, claim.base - end.params,
+                         seed=claim.run.codec_seed(claim.sub.round, claim.sub.worker))
+    return payload
+
+
+def with_payload(claim: Claim, payload: bytes) -> Claim:
+    sub = dataclasses.replace(claim.sub, payload_hash=sha256_hex(payload),
+                              payload_bytes=len(payload))
+    return dataclasses.replace(claim, sub=sub, payload=payload)
+
+
+def forge(claim: Claim, j: int, end: TrainingState) -> Claim:
+    """``claim`` with segment ``j`` ending in ``end`` (committed in the trail, revealed, and,
+    for the last segment, with the payload re-derived from it), as a careful cheater would."""
+    trail = list(claim.sub.trail)
+    trail[j] = end.hash()
+    evidence = {**claim.evidence, end.hash(): end.to_bytes()}
+    forged = dataclasses.replace(claim, sub=dataclasses.replace(claim.sub, trail=trail),
+                                 evidence=evidence)
+    if j == claim.last:
+        forged = with_payload(forged, rederive_payload(forged, end))
+    return forged
+
+
+def _steps(claim: Claim, start: TrainingState, rows: torch.Tensor, *, task: Any = None,
+           cfg: Any = None) -> TrainingState:
+    if rows.shape[0] == 0:
+        return start
+    return train_segment(task or claim.run.task, claim.run.dataset, start, rows,
+                         cfg or claim.run.inner)
+
+
+def cheat_skip_step(claim: Claim, j: int, skip: int = 0) -> Claim:
+    """Step ``skip`` of segment ``j`` is a zero-gradient AdamW step (no forward/backward);
+    the other k - 1 steps are real. Step counts and moment decay stay plausible."""
+    rows = claim.rows(j)
+    state = _steps(claim, claim.start(j), rows[:skip])
+    state = _steps(claim, state, rows[skip:skip + 1], task=ZeroGradTask(claim.run.task))
+    state = _steps(claim, state, rows[skip + 1:])
+    return forge(claim, j, state)
+
+
+def cheat_other_data(claim: Claim, j: int, other_worker: str) -> Claim:
+    """Segment ``j`` trained on another worker's rows for the same steps."""
+    rows = claim.run.assignment(claim.sub.round, other_worker)[j * claim.k:(j + 1) * claim.k]
+    return forge(claim, j, _steps(claim, claim.start(j), rows))
+
+
+def cheat_half_batch(claim: Claim, j: int) -> Claim:
+    """Segment ``j`` trained on the first half of each batch."""
+    cfg = dataclasses.replace(claim.run.inner, batch_size=claim.run.inner.batch_size // 2)
+    rows = claim.rows(j)[:, :cfg.batch_size]
+    return forge(claim, j, _steps(claim, claim.start(j), rows, cfg=cfg))
+
+
+def cheat_lr(claim: Claim, j: int, factor: float) -> Claim:
+    """Segment ``j`` trained with the learning rate times ``factor``."""
+    cfg = dataclasses.replace(claim.run.inner, lr=claim.run.inner.lr * factor)
+    return forge(claim, j, _steps(claim, claim.start(j), claim.rows(j), cfg=cfg))
+
+
+def _relative_noise(x: torch.Tensor, rel: float, gen: torch.Generator) -> torch.Tensor:
+    n = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    scale = rel * float(x.double().norm()) / max(float(n.norm()), 1e-30)
+    return (n * scale).to(torch.float32)
+
+
+def cheat_state_noise(claim: Claim, j: int, rel: float = NOISE, seed: int = 0) -> Claim:
+    """Segment ``j``'s end state with Gaussian noise of norm ``rel`` times each vector's norm
+    (multiplicative for exp_avg_sq, which must stay non-negative)."""
+    end = claim.end(j)
+    gen = torch.Generator().manual_seed(seed)
+    sq = end.exp_avg_sq.double()
+    z = torch.randn(sq.shape, generator=gen, dtype=torch.float64)
+    z *= rel * float(sq.norm()) / max(float((sq * z).norm()), 1e-30)
+    noisy = TrainingState(end.params + _relative_noise(end.params, rel, gen),
+                          end.exp_avg + _relative_noise(end.exp_avg, rel, gen),
+                          (sq * (1 + z)).clamp_min(0).float(), end.step)
+    return forge(claim, j, noisy)
+
+
+def cheat_update_noise(claim: Claim, rel: float = NOISE, seed: int = 0) -> Claim:
+    """Noise of norm ``rel * ||delta||`` added to the update, the last end state made to match
+    it (params = honest end - noise), the payload re-derived: only the last segment differs."""
+    j = claim.last
+    end = claim.end(j)
+    delta = claim.base - end.params
+    noise = _relative_noise(delta, rel, torch.Generator().manual_seed(seed))
+    return forge(claim, j, TrainingState(end.params - noise, end.exp_avg, end.exp_avg_sq,
+                                         end.step))
+
+
+def cheat_stale_payload(claim: Claim, previous_payload: bytes) -> Claim:
+    """An honest trail, but last round's payload re-submitted (judge the last segment)."""
+    return with_payload(claim, previous_payload)
+
+
+def cheat_stale_round(previous: Claim, base: torch.Tensor, r: int) -> Claim:
+    """A lazy worker: last round's trail, files and payload re-submitted for round ``r``."""
+    base_hash = sha256_hex(previous.run.encode_model(base))
+    sub = dataclasses.replace(previous.sub, round=r, base_model_hash=base_hash)
+    return dataclasses.replace(previous, base=base, sub=sub)
+
+
+#: Cheat labels, in table order.
+CHEAT_LABELS = {
+    "free_rider": "free rider (no states to reveal)",
+    "skip_k1": "skip a step (k=1: zero-grad step)",
+    "skip_k10": "skip 1 of 10 steps (k=10)",
+    "other_data": "segment on another worker's rows",
+    "half_batch": "half batch",
+    "stale_payload": "last round's payload, honest trail",
+    "stale_round": "last round's update+trail (lazy)",
+    "state_noise": "1% noise on a revealed state",
+    "update_noise": "1% noise on the update",
+    "lr_x2": "lr x2",
+    "lr_half": "lr x0.5",
+}
+#: Cheats judged by the payload binding or the reveals, not by a distance.
+NOT_BY_DISTANCE = ("free_rider", "stale_payload")
+
+
+# --- analysis of the challenge policy -------------------------------------------------
+
+
+def count_distribution(policy: ChallengePolicy) -> list[tuple[int, float]]:
+    """P(count) of challenged segments for a worker without a full check."""
+    base = math.floor(policy.per_worker)
+    frac = policy.per_worker - base
+    dist: dict[int, float] = {}
+    for count, p in ((base, 1.0 - frac), (base + 1, frac)):
+        if p > 0:
+            dist[min(count, policy.segments)] = dist.get(min(count, policy.segments), 0.0) + p
+    return sorted(dist.items())
+
+
+def p_escape(policy: ChallengePolicy, faked: int, *, n_workers: int = 1,
+             last_faked: bool | None = None) -> float:
+    """Probability that a worker faking ``faked`` of its S segments passes one round.
+
+    Without ``always_last``: the m challenged segments are a uniform m-subset, so the
+    worker escapes with C(S - F, m) / C(S, m) (hypergeometric). With it, the last segment
+    is always challenged: a faker that fakes it never escapes, any other escapes the m - 1
+    uniform challenges among the S - 1 others with C(S - 1 - F, m - 1) / C(S - 1, m - 1).
+    A full check (probability full / N) catches every faker.
+    """
+    s = policy.segments
+    if faked <= 0:
+        return 1.0
+    if last_faked is None:
+        last_faked = faked >= s
+    full = min(policy.full_checks, n_workers) / max(n_workers, 1)
+    escape = 0.0
+    for m, p in count_distribution(policy):
+        if m == 0:
+            e = 1.0
+        elif policy.always_last:
+            e = 0.0 if last_faked else math.comb(s - 1 - faked, m - 1) / math.comb(s - 1, m - 1)
+        else:
+            e = math.comb(s - faked, m) / math.comb(s, m)
+        escape += p * e
+    return (1.0 - full) * escape
+
+
+def p_caught_within(policy: ChallengePolicy, faked: int, rounds: int, *,
+                    n_workers: int = 1) -> float:
+    """1 - P(escape)^rounds: beacons of different rounds are independent."""
+    return 1.0 - p_escape(policy, faked, n_workers=n_workers) ** rounds
+
+
+def p_last_challenged(policy: ChallengePolicy, *, n_workers: int = 1) -> float:
+    """Probability that the last segment (the payload binding) is checked in a round:
+    the catch probability of a worker with an honest trail and a forged payload."""
+    full = min(policy.full_checks, n_workers) / max(n_workers, 1)
+    dist = count_distribution(policy)
+    if policy.always_last:
+        p = sum(q for m, q in dist if m > 0)
+    else:
+        p = sum(q * m / policy.segments for m, q in dist)
+    return full + (1.0 - full) * p
+
+
+@dataclass
+class MonteCarlo:
+    seeds: int
+    workers: int
+    cost: float
+    free_rider_caught: float
+    escape: dict[int, float]
+    caught_within: dict[int, float]
+    rounds: int
+    last_challenged: float
+
+
+def monte_carlo(policy: ChallengePolicy, *, n_workers: int, seeds: int,
+                faked: Sequence[int], rounds: int = 10, salt: bytes = b"") -> MonteCarlo:
+    """Challenges drawn with :func:`compute_challenges` over ``seeds`` beacon seeds.
+
+    Faker with F faked segments: segments 0..F-1 (never the last unless F = S; the
+    beacon's choice is uniform, so a fixed set is as good as any). ``caught_within``
+    groups consecutive seeds into runs of ``rounds`` for the same worker.
+    """
+    workers = [hashlib.sha256(b"veritrain/bench/mc-worker/%d" % i).hexdigest()
+               for i in range(n_workers)]
+    s = policy.segments
+    challenged = 0
+    no_challenge = 0
+    last_hits = 0
+    escapes: dict[int, list[list[bool]]] = {f: [[] for _ in workers] for f in faked}
+    for i in range(seeds):
+        seed = hashlib.sha256(b"veritrain/bench/mc" + salt + i.to_bytes(8, "big")).digest()
+        ch = compute_challenges(seed, workers, policy)
+        for w_index, w in enumerate(workers):
+            got = ch[w]
+            challenged += len(got)
+            no_challenge += not got
+            last_hits += (s - 1) in got
+            for f in faked:
+                escapes[f][w_index].append(not any(j < f for j in got))
+    samples = seeds * n_workers
+    within: dict[int, float] = {}
+    for f in faked:
+        runs = [seq[a:a + rounds] for seq in escapes[f] for a in range(0, seeds - rounds + 1,
+                                                                       rounds)]
+        within[f] = sum(not all(run) for run in runs) / max(len(runs), 1)
+    return MonteCarlo(
+        seeds=seeds, workers=n_workers, cost=challenged / (samples * s),
+        free_rider_caught=1.0 - no_challenge / samples,
+        escape={f: sum(sum(seq) for seq in escapes[f]) / samples for f in faked},
+        caught_within=within, rounds=rounds, last_challenged=last_hits / samples)
+
+
+# --- tolerance choice -----------------------------------------------------------------
+
+
+def choose_tolerance(honest_max: float, cheat_min: float) -> float | None:
+    """Geometric mean of the honest maximum (at least float32 epsilon) and the cheat
+    minimum; ``None`` when they do not separate."""
+    lo = max(honest_max, FLOAT32_EPS)
+    if not cheat_min > lo:
+        return None
+    return math.sqrt(lo * cheat_min)
+
+
+def round_sig(x: float) -> float:
+    """``x`` rounded to one significant digit (1.65e-04 -> 2e-04, 5.7e-05 -> 6e-05)."""
+    exponent = math.floor(math.log10(x))
+    return float(f"{round(x / 10**exponent)}e{exponent}")
+
+
+def summary_line(false_positives: int, honest_checks: int, weakest_detected: float,
+                 validator_cost: float) -> str:
+    return (f"verification: honest_false_positives={false_positives}/{honest_checks} "
+            f"weakest_cheat_detected={weakest_detected:.2f} "
+            f"validator_cost={100 * validator_cost:.1f}%")
+
+
+# --- the benchmark --------------------------------------------------------------------
+
+
+@dataclass
+class Results:
+    honest: dict[str, list[Check]] = field(default_factory=dict)
+    cheats: dict[str, list[Check]] = field(default_factory=dict)
+
+    def add(self, kind: str, label: str, check: Check) -> None:
+        table = self.honest if kind == "honest" else self.cheats
+        table.setdefault(label, []).append(check)
+
+
+@dataclass
+class Timers:
+    """Wall-clock and CPU seconds (``time.process_time``: this process only, so other
+    people's load on a shared machine counts far less) of the swarm's parts."""
+
+    worker_train: float = 0.0
+    worker_train_cpu: float = 0.0
+    worker_prepare: float = 0.0
+    worker_steps: int = 0
+    validator_checks: float = 0.0
+    validator_checks_cpu: float = 0.0
+    validator_round: float = 0.0
+    segments_checked: int = 0
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _segments(rng: random.Random, s: int, n: int) -> list[int]:
+    return sorted(rng.sample(range(s), min(n, s)))
+
+
+@contextlib.contextmanager
+def instrumented(timers: Timers, skip_workers: set[str],
+                 observe: Callable[[Any, tuple, dict], None]) -> Iterator[None]:
+    """Time the swarm's worker training and the validator's segment checks (the real
+    functions, patched in their callers' namespaces), and show each prepared submission
+    to ``observe`` outside the timed part."""
+    import veritrain.protocol.runtime as runtime
+    import veritrain.validators.round as round_mod
+
+    import veritrain.swarm as swarm_mod
+
+    originals = (swarm_mod.prepare_submission, runtime.local_train, round_mod.check_segment,
+                 swarm_mod.process_round)
+
+    def prepare(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = originals[0](*args, **kwargs)
+        if kwargs.get("attack") is None and kwargs.get("replace_delta") is None:
+            timers.worker_prepare += time.perf_counter() - start
+        observe(out, args, kwargs)
+        return out
+
+    def local_train(*args: Any, **kwargs: Any) -> Any:
+        start, cpu = time.perf_counter(), time.process_time()
+        out = originals[1](*args, **kwargs)
+        timers.worker_train += time.perf_counter() - start
+        timers.worker_train_cpu += time.process_time() - cpu
+        timers.worker_steps += len(out.losses)
+        return out
+
+    def check(run: Any, base: Any, sub: Any, *args: Any, **kwargs: Any) -> Any:
+        start, cpu = time.perf_counter(), time.process_time()
+        out = originals[2](run, base, sub, *args, **kwargs)
+        if sub.worker not in skip_workers:
+            timers.validator_checks += time.perf_counter() - start
+            timers.validator_checks_cpu += time.process_time() - cpu
+            timers.segments_checked += 1
+        return out
+
+    def process(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = originals[3](*args, **kwargs)
+        timers.validator_round += time.perf_counter() - start
+        return out
+
+    swarm_mod.prepare_submission, runtime.local_train = prepare, local_train
+    round_mod.check_segment, swarm_mod.process_round = check, process
+    try:
+        yield
+    finally:
+        (swarm_mod.prepare_submission, runtime.local_train, round_mod.check_segment,
+         swarm_mod.process_round) = originals
+
+
+@dataclass
+class Plan:
+    workers: int
+    rounds: int
+    checks: int
+    threads: tuple[int, int]
+    cheat_workers_per_round: int
+    cheat_segments: int
+    k10_per_round: int
+    seeds: int
+
+
+def bench_settings() -> dict[str, Any]:
+    from veritrain.protocol.presets import run_preset
+
+    return run_preset("bench")
+
+
+def run_benchmark(plan: Plan) -> int:
+    from veritrain.swarm import Swarm
+
+    t_main, t_other = plan.threads
+    torch.set_num_threads(t_main)
+    results = Results()
+    timers = Timers()
+    started = time.perf_counter()
+    settings = bench_settings()
+    swarm = Swarm(settings, n_workers=plan.workers + 1, byzantine={plan.workers: "free_rider"},
+                  seed="verification-bench")
+    run = swarm.run
+    s = run.inner.segments
+    default_tol = float(run.spec.verification["tolerance"])
+    policy = ChallengePolicy.from_spec(run.spec.inner, run.spec.verification)
+    index = {w.public_key.hex(): i for i, w in enumerate(swarm.workers)}
+    free_rider = swarm.workers[plan.workers].public_key.hex()
+    _log(f"bench run: {run.numel:,} params, H={run.inner.steps}, k={run.inner.trail_every}, "
+         f"S={s}, c={policy.per_worker}, {plan.workers} workers + 1 free rider, "
+         f"threads {t_main} (other {t_other}), built in {time.perf_counter() - started:.1f}s")
+
+    # Phase 2 schedule (needed now, to keep the previous-round files it will re-submit).
+    per_variant = plan.checks // 3
+    runs_per_variant = max(1, math.ceil(per_variant / s))
+    variants = [("threads", True, "cpu"), ("kernels", False, "cpu")]
+    if torch.cuda.is_available():
+        variants.append(("cuda", True, "cuda"))
+    schedule: list[tuple[str, bool, str, int, int]] = []
+    for v_index, (name, deterministic, device) in enumerate(variants):
+        for n in range(runs_per_variant):
+            m = v_index * runs_per_variant + n
+            schedule.append((name, deterministic, device, (m * 5 + 3) % plan.workers,
+                             (m + 1) % (plan.rounds + 1)))
+    wanted_previous = {(w, r - 1) for _, _, _, w, r in schedule if r >= 1}
+    previous_payload: dict[tuple[int, int], bytes] = {}
+    previous_claim: dict[tuple[int, int], tuple[Claim, list[int]]] = {}
+    b_per_worker_round = max(1, math.ceil((plan.checks - 2 * per_variant)
+                                          / (plan.workers * plan.rounds)))
+
+    def observe(prep: Any, args: tuple, kwargs: dict) -> None:
+        if kwargs.get("attack") is not None or kwargs.get("replace_delta") is not None:
+            return
+        ctx, identity, r, base, _, ef = args[:6]
+        w = index[identity.public_key.hex()]
+        claim = Claim(judging_run(ctx), base, prep.signed.message, prep.payload, prep.evidence)
+        rng = random.Random(f"observe/{r}/{w}")
+        previous_payload[(w, r)] = prep.payload
+        if (w, r) in wanted_previous:
+            js = [0, rng.randrange(1, s)] if s > 1 else [0]
+            previous_claim[(w, r)] = (claim.trimmed(js), js)
+        # Honest: validator with the other thread count on a sample of segments.
+        for j in _segments(rng, s, b_per_worker_round):
+            results.add("honest", f"threads {t_main} -> {t_other}, k={claim.k}",
+                        judge(claim, j, threads=t_other))
+        if w in {(r * 7 + 5 + m) % plan.workers for m in range(plan.k10_per_round)} \
+                and s % 10 == 0 and claim.k == 1:
+            k10 = claim.regroup(10)
+            for j in range(k10.last + 1):
+                results.add("honest", f"threads {t_main} -> {t_other}, k=10",
+                            judge(k10, j, threads=t_other))
+            j = rng.randrange(k10.last + 1)
+            cheat = cheat_skip_step(k10, j, skip=rng.randrange(10))
+            results.add("cheat", "skip_k10", judge(cheat, j, threads=t_main))
+        if w in {(r * 3 + m) % plan.workers for m in range(plan.cheat_workers_per_round)}:
+            other = swarm.workers[(w + 1) % plan.workers].public_key.hex()
+            for j in _segments(rng, s, plan.cheat_segments):
+                built = {
+                    "skip_k1": lambda j=j: cheat_skip_step(claim, j, skip=rng.randrange(claim.k)),
+                    "other_data": lambda j=j: cheat_other_data(claim, j, other),
+                    "half_batch": lambda j=j: cheat_half_batch(claim, j),
+                    "state_noise": lambda j=j: cheat_state_noise(claim, j, seed=rng.randrange(
+                        1 << 30)),
+                    "lr_x2": lambda j=j: cheat_lr(claim, j, 2.0),
+                    "lr_half": lambda j=j: cheat_lr(claim, j, 0.5),
+                }
+                for name, make in built.items():
+                    results.add("cheat", name, judge(make(), j, threads=t_main))
+            for _ in range(plan.cheat_segments):
+                cheat = cheat_update_noise(claim, seed=rng.randrange(1 << 30))
+                results.add("cheat", "update_noise", judge(cheat, cheat.last, threads=t_main))
+                rider = free_rider_claim(ctx, identity, r, base)
+                results.add("cheat", "free_rider", judge(rider, rng.randrange(s)))
+        _log(f"  observed round {r} worker {w}: {time.perf_counter() - started:.0f}s")
+
+    # Phase 1: the swarm (timed), observing each honest submission.
+    bases = [swarm.base]
+    efs = [list(swarm.error_feedback)]
+    swarm_checks: list[dict[str, Any]] = []
+
+    def on_round(r: int, outcome: Any) -> None:
+        bases.append(swarm.base)
+        efs.append(list(swarm.error_feedback))
+        swarm_checks.extend(v for v in outcome.verdicts if v["worker"] != free_rider)
+        rider = [v for v in outcome.verdicts if v["worker"] == free_rider]
+        _log(f"round {r}: eval loss {outcome.eval_loss:.4f}, free rider "
+             f"{rider[0]['reason'] if rider else 'banned'}; "
+             f"{time.perf_counter() - started:.0f}s")
+
+    with instrumented(timers, {free_rider}, observe):
+        swarm_result = swarm.train(plan.rounds, on_round=on_round)
+    for v in swarm_checks:
+        for c in v["checks"]:
+            results.add("honest", f"same settings (swarm validator), k={run.inner.trail_every}",
+                        _from_verdict(c))
+    for v in (v for o in swarm_result.outcomes for v in o.verdicts if v["worker"] == free_rider):
+        for c in v["checks"]:
+            results.add("cheat", "free_rider", _from_verdict(c))
+    caught_round = swarm_result.caught.get(free_rider)
+
+    # Phase 2: honest variants that change the worker's side, on every base model.
+    for name, deterministic, device, w, r in schedule:
+        worker_threads = t_other if name == "threads" else t_main
+        claim = honest_claim(run, swarm.workers[w], r, bases[r], efs[r][w],
+                             threads=worker_threads, deterministic=deterministic,
+                             device=device)
+        label = {"threads": f"threads {t_other} -> {t_main}",
+                 "kernels": "default -> deterministic kernels",
+                 "cuda": "CUDA -> CPU"}[name]
+        for j in _segments(random.Random(f"phase2/{r}/{w}/{name}"), s, per_variant):
+            results.add("honest", f"{label}, k={claim.k}", judge(claim, j, threads=t_main))
+        # Longer segments from the same trail: how the divergence grows with k.
+        for k in (5, 10) if name != "kernels" and claim.k == 1 and plan.k10_per_round else ():
+            if s % k == 0:
+                longer = claim.regroup(k)
+                for j in range(longer.last + 1):
+                    results.add("honest", f"{label}, k={k}", judge(longer, j, threads=t_main))
+        if r >= 1 and (w, r - 1) in previous_payload:
+            cheat = cheat_stale_payload(claim, previous_payload[(w, r - 1)])
+            results.add("cheat", "stale_payload", judge(cheat, cheat.last, threads=t_main))
+        if r >= 1 and (w, r - 1) in previous_claim:
+            old, js = previous_claim.pop((w, r - 1))
+            lazy = cheat_stale_round(old, bases[r], r)
+            for j in js:
+                results.add("cheat", "stale_round", judge(lazy, j, threads=t_main))
+        _log(f"phase 2 {name} round {r} worker {w}: {time.perf_counter() - started:.0f}s")
+
+    # Monte Carlo of the challenge policy.
+    faked = sorted({s, math.ceil(0.25 * s), math.floor(0.25 * s), max(1, round(0.1 * s))})
+    mc = monte_carlo(policy, n_workers=plan.workers, seeds=plan.seeds, faked=faked)
+
+    return report(results, timers, plan, run, policy, mc, faked, default_tol, caught_round,
+                  swarm_result.seconds, time.perf_counter() - started)
+
+
+def _k_of(label: str) -> int:
+    match = re.search(r"k=(\d+)", label)
+    return int(match.group(1)) if match else 0
+
+
+def _min_distance(checks: Sequence[Check]) -> float:
+    return min((c.distance for c in checks if c.distance is not None), default=math.inf)
+
+
+def _from_verdict(c: Mapping[str, Any]) -> Check:
+    """A check recorded in a swarm verdict (judged at the run's tolerance) as a :class:`Check`."""
+    by_distance = c["note"].startswith("recomputed state differs")
+    return Check(c["distance"], bool(c["ok"]) or by_distance, "" if by_distance else c["note"])
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x == 0:
+        return "0"
+    return f"{x:.2e}"
+
+
+def _stats(checks: Sequence[Check]) -> tuple[float | None, float | None, float | None]:
+    d = [c.distance for c in checks if c.distance is not None]
+    if not d:
+        return None, None, None
+    return min(d), statistics.median(d), max(d)
+
+
+def report(results: Results, timers: Timers, plan: Plan, run: RunContext,
+           policy: ChallengePolicy, mc: MonteCarlo, faked: Sequence[int], default_tol: float,
+           caught_round: int | None, swarm_seconds: float, total_seconds: float) -> int:
+    s = policy.segments
+    run_k = run.inner.trail_every
+    # The tolerance is chosen for, and false positives counted over, segments of the run's k;
+    # longer segments (regrouped trails) are reported per k below.
+    honest_all = [c for label, checks in results.honest.items() if _k_of(label) == run_k
+                  for c in checks]
+    honest_max = max((c.distance for c in honest_all if c.distance is not None), default=0.0)
+    by_distance = {name: checks for name, checks in results.cheats.items()
+                   if name not in NOT_BY_DISTANCE}
+    cheat_min_name, cheat_min = min(
+        ((name, min(c.distance for c in checks if c.distance is not None))
+         for name, checks in by_distance.items() if any(c.distance is not None for c in checks)),
+        key=lambda item: item[1])
+    chosen = choose_tolerance(honest_max, cheat_min)
+    tol = chosen if chosen is not None else default_tol
+    recommended = round_sig(chosen) if chosen is not None else None
+
+    print("\n== segment checks: distance = state_distance(recomputed, claimed) "
+          "(max relative L2 of params / exp_avg / exp_avg_sq) ==")
+    print(f"flag@t*: check fails at the chosen tolerance t* = {_fmt(tol)}; "
+          f"flag@{default_tol:g}: at the preset's tolerance")
+    header = (f"{'kind':<6} {'variant':<38} {'n':>5} {'min':>9} {'median':>9} {'max':>9} "
+              f"{'flag@t*':>8} {'flag@' + format(default_tol, 'g'):>9}")
+    print(header)
+    print("-" * len(header))
+    if not torch.cuda.is_available():
+        print(f"{'honest':<6} {'CUDA -> CPU, k=' + str(run_k):<38} {'n/a (no GPU)':>5}")
+
+    def row(kind: str, label: str, checks: Sequence[Check]) -> None:
+        lo, med, hi = _stats(checks)
+        f_t = sum(c.flagged(tol) for c in checks) / len(checks)
+        f_d = sum(c.flagged(default_tol) for c in checks) / len(checks)
+        print(f"{kind:<6} {label:<38} {len(checks):>5} {_fmt(lo):>9} {_fmt(med):>9} "
+              f"{_fmt(hi):>9} {f_t:>8.2f} {f_d:>9.2f}")
+
+    for label, checks in results.honest.items():
+        row("honest", label, checks)
+    for name in CHEAT_LABELS:
+        if name in results.cheats:
+            row("cheat", CHEAT_LABELS[name], results.cheats[name])
+    notes = sorted({re.sub(r"[0-9a-f]{12,}", "<hash>", c.note)
+                    for checks in results.cheats.values() for c in checks if not c.ok})
+    print("non-distance failures seen in cheats: " + "; ".join(n[:60] for n in notes))
+
+    false_positives = sum(c.flagged(tol) for c in honest_all)
+    fp_default = sum(c.flagged(default_tol) for c in honest_all)
+    detection = {name: sum(c.flagged(tol) for c in checks) / len(checks)
+                 for name, checks in results.cheats.items()}
+    # Weakest: lowest detection at t*, then the smallest distance; cheats caught by the
+    # reveals or the payload binding do not depend on the tolerance and rank last.
+    weakest = min(detection, key=lambda n: (
+        detection[n], math.inf if n in NOT_BY_DISTANCE else _min_distance(results.cheats[n])))
+    missed_default = {name: sum(not c.flagged(default_tol) for c in checks) / len(checks)
+                      for name, checks in results.cheats.items()}
+
+    print(f"\n== tolerance (segments of the run's k = {run_k}) ==")
+    print(f"largest honest distance {_fmt(honest_max)} over {len(honest_all)} checks; smallest "
+          f"cheat distance {_fmt(cheat_min)} ({CHEAT_LABELS[cheat_min_name]})")
+    if chosen is None:
+        print("NO GAP: some cheat is within the honest divergence; keeping the preset's "
+              f"{default_tol:g}")
+    else:
+        print(f"gap x{cheat_min / max(honest_max, FLOAT32_EPS):.3g}; geometric mean "
+              f"t* = {chosen:.3g}; recommended verification.tolerance = {recommended:g} "
+              f"(margins x{recommended / max(honest_max, FLOAT32_EPS):.3g} above honest, "
+              f"x{cheat_min / recommended:.3g} below the weakest cheat)")
+    for k in sorted({_k_of(label) for label in results.honest} - {run_k}):
+        longer = [c for label, checks in results.honest.items() if _k_of(label) == k
+                  for c in checks]
+        k_max = max((c.distance for c in longer if c.distance is not None), default=0.0)
+        print(f"k={k} (same trails regrouped, not the run's k): honest max {_fmt(k_max)} over "
+              f"{len(longer)} checks, {sum(c.flagged(tol) for c in longer)} flagged at t*, "
+              f"{sum(c.flagged(default_tol) for c in longer)} at {default_tol:g}; "
+              + ("no tolerance separates it from the weakest cheat" if k_max >= cheat_min
+                 else f"gap x{cheat_min / max(k_max, FLOAT32_EPS):.3g}"))
+    inside = honest_max < default_tol < cheat_min
+    slipped = ", ".join(f"{CHEAT_LABELS[n]} {100 * p:.0f}%" for n, p in missed_default.items()
+                        if p > 0)
+    print(f"preset tolerance {default_tol:g}: {'inside' if inside else 'NOT inside'} the gap; "
+          f"false positives {fp_default}/{len(honest_all)}; cheats that pass at "
+          f"{default_tol:g}: {slipped or 'none'}")
+    print(f"weakest cheat at t*: {CHEAT_LABELS[weakest]}, detected in "
+          f"{100 * detection[weakest]:.0f}% of its checks")
+
+    print(f"\n== cost and power: S={s}, c={policy.per_worker}, full checks "
+          f"{policy.full_checks}, always_last {policy.always_last}, N={plan.workers} ==")
+    print(f"{'quantity':<52} {'analytic':>9} {'monte carlo':>12}")
+    print(f"{'validator recomputation / training compute':<52} "
+          f"{100 * policy.expected_cost(plan.workers):>8.2f}% {100 * mc.cost:>11.2f}%")
+    analytic_fr = 1.0 - p_escape(policy, s, n_workers=plan.workers)
+    print(f"{'P(free rider caught in its first round)':<52} {analytic_fr:>9.4f} "
+          f"{mc.free_rider_caught:>12.4f}")
+    for f in faked:
+        if f == s:
+            continue
+        pct = 100 * f / s
+        label = f"P(faker of {f}/{s} = {pct:.0f}% escapes a round)"
+        print(f"{label:<52} {p_escape(policy, f, n_workers=plan.workers):>9.4f} "
+              f"{mc.escape[f]:>12.4f}")
+        label = f"P(faker of {f}/{s} caught within {mc.rounds} rounds)"
+        print(f"{label:<52} {p_caught_within(policy, f, mc.rounds, n_workers=plan.workers):>9.4f}"
+              f" {mc.caught_within[f]:>12.4f}")
+    label = "P(honest trail, forged payload caught in a round)"
+    print(f"{label:<52} {p_last_challenged(policy, n_workers=plan.workers):>9.4f} "
+          f"{mc.last_challenged:>12.4f}")
+    print(f"monte carlo: {mc.seeds} beacon seeds x {mc.workers} workers "
+          f"({mc.seeds // mc.rounds} runs of {mc.rounds} rounds per worker)")
+    print(f"free rider in the swarm: caught in round "
+          f"{caught_round if caught_round is not None else 'never'}")
+
+    k = run.inner.trail_every
+    trained = max(timers.worker_steps // k, 1)
+    checked = max(timers.segments_checked, 1)
+    cost = timers.validator_checks_cpu / max(timers.worker_train_cpu, 1e-9)
+    wall = timers.validator_checks / max(timers.worker_train, 1e-9)
+    per_segment = (timers.validator_checks_cpu / checked) / (timers.worker_train_cpu / trained)
+    print(f"\nmeasured at bench scale ({plan.workers} workers x {plan.rounds} rounds, "
+          f"threads {plan.threads[0]}, swarm {swarm_seconds:.0f}s of {total_seconds:.0f}s):")
+    print(f"  workers' local training    {timers.worker_train_cpu:7.1f}s CPU {timers.worker_train:7.1f}s"
+          f" wall  ({timers.worker_steps} steps, {timers.worker_train_cpu / trained:.3f} s CPU "
+          f"per segment; prepare_submission {timers.worker_prepare:.1f}s wall)")
+    print(f"  validator segment checks   {timers.validator_checks_cpu:7.1f}s CPU "
+          f"{timers.validator_checks:7.1f}s wall  ({timers.segments_checked} segments, "
+          f"{timers.validator_checks_cpu / checked:.3f} s CPU each; whole round processing "
+          f"{timers.validator_round:.1f}s wall)")
+    print(f"  segments recomputed / trained: {timers.segments_checked}/{trained} = "
+          f"{100 * timers.segments_checked / trained:.2f}% (expected "
+          f"{100 * policy.expected_cost(plan.workers):.2f}%); a check costs x{per_segment:.2f} "
+          f"a trained segment (state parsing, model build, distance)")
+    print(f"  validator cost (per validator): CPU {100 * cost:.2f}%, wall {100 * wall:.2f}%; "
+          f"at the expected challenge count "
+          f"{100 * policy.expected_cost(plan.workers) * per_segment:.2f}%")
+    if policy.full_checks == 0 and per_segment > 0:
+        c_fit = 0.05 * s / per_segment
+        fit = dataclasses.replace(policy, per_worker=round(c_fit, 2))
+        quarter = math.ceil(0.25 * s)
+        print(f"  c for 5% CPU at this overhead: {fit.per_worker:g} -> free rider caught "
+              f"{1 - p_escape(fit, s):.4f}, faker of {quarter}/{s} caught within 10 rounds "
+              f"{p_caught_within(fit, quarter, 10):.4f}")
+    print(summary_line(false_positives, len(honest_all), detection[weakest], cost))
+    return 0 if false_positives == 0 else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small counts (< 3 minutes)")
+    parser.add_argument("--checks", type=int, default=None,
+                        help="honest cross-setting segment checks (default 510; quick 90)")
+    parser.add_argument("--threads", default="1,2",
+                        help="A,B: workers and validator use A threads, compared against B")
+    parser.add_argument("--workers", type=int, default=None, help="honest swarm workers (16)")
+    parser.add_argument("--rounds", type=int, default=None, help="swarm rounds (2)")
+    parser.add_argument("--seeds", type=int, default=None, help="Monte Carlo beacon seeds")
+    args = parser.parse_args(argv)
+    if "OMP_WAIT_POLICY" not in os.environ and argv is None:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    a, _, b = args.threads.partition(",")
+    threads = (int(a), int(b or a))
+    if args.quick:
+        plan = Plan(workers=4, rounds=1, checks=90, threads=threads, cheat_workers_per_round=2,
+                    cheat_segments=1, k10_per_round=1, seeds=1000)
+    else:
+        plan = Plan(workers=16, rounds=2, checks=510, threads=threads,
+                    cheat_workers_per_round=3, cheat_segments=2, k10_per_round=1, seeds=5000)
+    plan = dataclasses.replace(
+        plan, checks=args.checks or plan.checks, workers=args.workers or plan.workers,
+        rounds=args.rounds or plan.rounds, seeds=args.seeds or plan.seeds)
+    return run_benchmark(plan)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
