@@ -1,9 +1,12 @@
 """Auditing a run: terminal views of the ledger and full verification of its log.
 
-``verify_events`` checks, without trusting the server: the hash chain and the
-ledger's signature on every row, the organiser's signature on the run spec,
-the writer's signature on every signed row, and every certificate against
-the validator set. It reports the first row that fails.
+``verify_events`` checks, without trusting the server: the hash chain, the
+ledger's checkpoint signatures, the organiser's signature on the run spec,
+the writer's signature on every signed row (directly, or through the quorum
+certificate that vouches for it: :mod:`veritrain.ledger.verify`), and every
+certificate against the validator set. It reports the first row that fails.
+The same checks run on a live ledger (its API) or offline on an export file
+(:mod:`veritrain.ledger.export`).
 """
 
 from __future__ import annotations
@@ -11,112 +14,97 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from veritrain.protocol.certificates import verify_certificate
 from veritrain.protocol.client import LedgerClient
-from veritrain.protocol.encoding import decode_canonical
-from veritrain.protocol.errors import RejectedInput
-from veritrain.protocol.messages import (
-    BeaconShare,
-    Receipt,
-    Registration,
-    RoundResult,
-    RunSpec,
-    Submission,
-    open_signed,
-)
 
-from .chain import ChainRow, verify_chain
+from .chain import ChainRow
+from .export import ExportError, read_export_file
+from .verify import AuditResult, verify_log
 
-SIGNED_KINDS = {
-    "run_spec": RunSpec,
-    "registration": Registration,
-    "submission": Submission,
-    "receipt": Receipt,
-    "round_result": RoundResult,
-    "beacon_share": BeaconShare,
-}
+__all__ = ["AuditResult", "fetch_events", "fetch_verdicts", "format_report", "format_result",
+           "run_audit", "verify_events", "verify_export_file"]
+
+PAGE = 1000
 
 
-@dataclass
-class AuditResult:
-    rows: int = 0
-    signatures: int = 0
-    certificates: int = 0
-    first_bad_seq: int | None = None
-    problem: str | None = None
-    kinds: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.first_bad_seq is None
+def verify_events(rows: Iterable[ChainRow], ledger_key: bytes, *, full: bool = False,
+                  views: list[dict[str, Any]] | None = None,
+                  processes: int | None = None) -> AuditResult:
+    """Verify a run's whole event log; names the first bad row (see verify.py)."""
+    return verify_log(list(rows), ledger_key, full=full, views=views, processes=processes)
 
 
-def verify_events(rows: Iterable[ChainRow], ledger_key: bytes) -> AuditResult:
-    """Verify a run's whole event log; stops at the first bad row."""
-    rows = list(rows)
-    out = AuditResult(rows=len(rows))
-    chain_problem = verify_chain(rows, ledger_key)
-    spec: RunSpec | None = None
-    for row in rows:
-        if chain_problem is not None and row.seq >= chain_problem.seq:
-            out.first_bad_seq, out.problem = chain_problem.seq, chain_problem.problem
-            return out
-        out.kinds[row.kind] = out.kinds.get(row.kind, 0) + 1
-        try:
-            body = decode_canonical(row.body, max_bytes=1 << 26)
-            cls = SIGNED_KINDS.get(row.kind)
-            if cls is not None:
-                signed = open_signed(body, cls)
-                out.signatures += 1
-                if cls is RunSpec:
-                    if signed.signer != signed.message.organiser:
-                        raise RejectedInput("run spec not signed by its organiser")
-                    spec = signed.message
-                elif cls is Receipt and signed.signer != ledger_key.hex():
-                    raise RejectedInput("receipt not signed by this ledger")
-            elif row.kind == "round_finalized":
-                if spec is None:
-                    raise RejectedInput("certificate before the run spec")
-                verify_certificate(body["certificate"], spec,
-                                   base_of_round=body["certificate"]["certified"]["round"])
-                out.certificates += 1
-        except (RejectedInput, KeyError, TypeError) as exc:
-            out.first_bad_seq, out.problem = row.seq, f"{row.kind}: {exc}"
-            return out
-    if chain_problem is not None:
-        out.first_bad_seq, out.problem = chain_problem.seq, chain_problem.problem
-    return out
+def verify_export_file(path: Path, *, full: bool = False,
+                       processes: int | None = None) -> AuditResult:
+    """Offline verification of an export file (chain, signatures, certificates, verdicts)."""
+    exported = read_export_file(path)
+    return verify_log(exported.rows, exported.ledger_key, full=full, views=exported.verdicts,
+                      processes=processes)
 
 
 async def fetch_events(client: LedgerClient, run_id: str) -> list[ChainRow]:
     rows: list[ChainRow] = []
     after = -1
     while True:
-        page = await client.get_json(f"/v1/runs/{run_id}/events?after={after}&limit=1000")
+        page = await client.get_json(f"/v1/runs/{run_id}/events?after={after}&limit={PAGE}")
         for e in page["events"]:
             rows.append(ChainRow(seq=e["seq"], run_id=run_id, kind=e["kind"],
                                  body=e["body"].encode("ascii"), prev_hash=e["prev_hash"],
-                                 hash=e["hash"], ledger_signature=e["ledger_signature"]))
-        if len(page["events"]) < 1000:
+                                 hash=e["hash"], checkpoint=e.get("checkpoint")))
+        if len(page["events"]) < PAGE:
             return rows
         after = rows[-1].seq
 
 
+async def fetch_verdicts(client: LedgerClient, run_id: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    offset: int | None = 0
+    while offset is not None:
+        page = await client.get_json(f"/v1/runs/{run_id}/verdicts?offset={offset}&limit={PAGE}")
+        out.extend(page["verdicts"])
+        offset = page["next_offset"]
+    return out
+
+
+async def fetch_and_verify(client: LedgerClient, run_id: str, *, full: bool = False,
+                           processes: int | None = None) -> AuditResult:
+    """Live audit: the chain first, then the verdict rows (rounds finalized later are skipped)."""
+    ledger_key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
+    rows = await fetch_events(client, run_id)
+    views = await fetch_verdicts(client, run_id)
+    return verify_events(rows, ledger_key, full=full, views=views, processes=processes)
+
+
+def format_result(result: AuditResult) -> str:
+    if not result.ok:
+        where = (f"row {result.first_bad_seq}: {result.problem}" if result.first_bad_seq
+                 is not None else f"{result.bad_view_row}")
+        return f"FAILED at {where}"
+    tail = (f"; {result.unsigned_tail} newest row(s) await the ledger's next checkpoint"
+            if result.unsigned_tail else "")
+    return (f"OK ({result.mode}): {result.rows} rows chained, {result.checkpoints} ledger "
+            f"checkpoints, {result.signatures} writer signatures checked directly, "
+            f"{result.covered_by_certificates} submissions vouched for by "
+            f"{result.certificates} certificates, {result.view_rows} verdict rows match{tail}")
+
+
 def format_report(report: dict[str, Any]) -> str:
     lines = [f"run {report['run_id']} ({report['status']})", "",
-             "round  status     eval_loss  accepted  rejected"]
+             "round  status     eval_loss  accepted  rejected  certified model  signers"]
     for r in report["rounds"]:
         loss = f"{r['eval_loss']:.4f}" if r["eval_loss"] is not None else "-"
+        signers = ",".join(str(i) for i in r.get("certified_by") or [])
         lines.append(f"{r['round']:>5}  {r['status']:<9}  {loss:>9}  {r['accepted']:>8}  "
-                     f"{r['rejected']:>8}")
-    lines += ["", "worker        accepted  rejected  spot-checked     score    reward  banned"]
+                     f"{r['rejected']:>8}  {(r.get('model_hash') or '-')[:15]:<15}  {signers}")
+    lines += ["", "worker        accepted  rejected  spot-checked     score    reward  forfeited"
+              "  banned"]
     for w in report["workers"]:
         banned = f"until r{w['banned_until_round']}" if w["banned_until_round"] >= 0 else ""
         lines.append(f"{w['worker'][:12]}  {w['accepted']:>8}  {len(w['rejected']):>8}  "
-                     f"{w['spot_checked']:>12}  {w['score']:>8.0f}  {w['reward']:>8.2f}  {banned}")
+                     f"{w['spot_checked']:>12}  {w['score']:>8.0f}  {w['reward']:>8.2f}  "
+                     f"{w.get('forfeited', 0.0):>9.2f}  {banned}")
         for rej in w["rejected"]:
             lines.append(f"    round {rej['round']}: {rej['reason']} ({rej['detail']})")
     if report["rejections"]:
@@ -129,7 +117,24 @@ def format_report(report: dict[str, Any]) -> str:
             where = f"rounds {rounds[0]}-{rounds[-1]}" if len(rounds) > 1 else (
                 f"round {rounds[0]}" if rounds else "no round")
             lines.append(f"    {who} {reason} x{len(xs)} ({where}): {xs[0]['detail']}")
+    if report.get("validator_faults"):
+        lines += ["", "validators whose result differs from the certificate:"]
+        for f in report["validator_faults"]:
+            lines.append(f"    round {f['round']}: {f['validator'][:12]} signed "
+                         f"{f['result_digest'][:12]}, certified {f['certified_digest'][:12]}")
     return "\n".join(lines)
+
+
+async def save_export(client: LedgerClient, run_id: str, path: Path) -> None:
+    """Download the run's export file (written to a temporary name, then renamed)."""
+    tmp = path.with_name(path.name + ".part")
+    async with client.session.get(f"{client.base_url}/v1/runs/{run_id}/export") as resp:
+        if resp.status != 200:
+            raise SystemExit(f"export refused: HTTP {resp.status} {await resp.text()}")
+        with tmp.open("wb") as fh:
+            async for chunk in resp.content.iter_chunked(1 << 16):
+                fh.write(chunk)
+    tmp.replace(path)
 
 
 async def _pick_run(client: LedgerClient, run_id: str | None) -> str:
@@ -142,18 +147,28 @@ async def _pick_run(client: LedgerClient, run_id: str | None) -> str:
 
 
 async def run_audit(args: argparse.Namespace) -> int:
+    export = getattr(args, "export", None)
+    full = bool(getattr(args, "full", False))
+    if export:
+        try:
+            result = verify_export_file(Path(export), full=full)
+        except (OSError, ExportError) as exc:
+            print(f"FAILED: {exc}")
+            return 1
+        print(json.dumps(result.to_json()) if args.json else format_result(result))
+        return 0 if result.ok else 1
+    if not args.ledger:
+        raise SystemExit("audit needs --ledger URL (or --export FILE to verify a file)")
     async with LedgerClient(args.ledger, retry_for=10.0) as client:
         run_id = await _pick_run(client, args.run)
+        save = getattr(args, "save", None)
+        if save:
+            await save_export(client, run_id, Path(save))
+            print(f"saved the export of run {run_id} to {save}")
+            return 0
         if args.what == "verify":
-            ledger_key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
-            result = verify_events(await fetch_events(client, run_id), ledger_key)
-            if args.json:
-                print(json.dumps(result.__dict__ | {"ok": result.ok}))
-            elif result.ok:
-                print(f"OK: {result.rows} rows chained and signed, {result.signatures} writer "
-                      f"signatures, {result.certificates} certificates verified")
-            else:
-                print(f"FAILED at row {result.first_bad_seq}: {result.problem}")
+            result = await fetch_and_verify(client, run_id, full=full)
+            print(json.dumps(result.to_json()) if args.json else format_result(result))
             return 0 if result.ok else 1
         if args.what == "report":
             data = await client.get_json(f"/v1/runs/{run_id}/report")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from sqlalchemy import func, select
@@ -9,7 +10,8 @@ from sqlalchemy.orm import Session
 from veritrain.protocol.encoding import decode_canonical
 
 from . import schema as t
-from .store import NotFound
+from .export import events_with_checkpoints
+from .store import MAX_RESULT_BYTES, NotFound
 
 MAX_PAGE = 1000
 
@@ -54,6 +56,7 @@ def _verdict_json(v: t.Verdict) -> dict[str, Any]:
         "round": v.round, "worker": v.worker, "status": v.status, "reason": v.reason,
         "detail": v.detail, "spot_checked": v.spot_checked, "distance": v.distance,
         "samples": v.samples, "quality": v.quality, "score": v.score, "reward": v.reward,
+        "checks": json.loads(v.checks or "[]"),
     }
 
 
@@ -121,9 +124,14 @@ def run_report(s: Session, run_id: str) -> dict[str, Any]:
         counts = dict(s.execute(select(t.Verdict.status, func.count()).where(
             t.Verdict.run_id == run_id, t.Verdict.round == rnd.round)
             .group_by(t.Verdict.status)).all())
+        cert = decode_canonical(rnd.certificate) if rnd.certificate else None
         rounds.append({"round": rnd.round, "status": rnd.status, "eval_loss": rnd.eval_loss,
                        "accepted": counts.get("accepted", 0),
-                       "rejected": counts.get("rejected", 0), "extensions": rnd.extensions})
+                       "rejected": counts.get("rejected", 0), "extensions": rnd.extensions,
+                       "certified_by": cert["signers"] if cert else None,
+                       "model_hash": cert["certified"]["model_hash"] if cert else None})
+    forfeited = dict(s.execute(select(t.Penalty.worker, func.sum(t.Penalty.amount)).where(
+        t.Penalty.run_id == run_id).group_by(t.Penalty.worker)).all())
     workers = []
     for part in s.execute(select(t.Participant).where(
             t.Participant.run_id == run_id, t.Participant.role == "worker")
@@ -141,20 +149,23 @@ def run_report(s: Session, run_id: str) -> dict[str, Any]:
             "spot_checked": sum(v.spot_checked for v in vs),
             "score": sum(v.score for v in vs),
             "reward": sum(v.reward for v in vs),
+            "forfeited": forfeited.get(part.pubkey, 0.0),
         })
     rejections = s.execute(select(t.Rejection).where(t.Rejection.run_id == run_id)
                            .order_by(t.Rejection.id).limit(MAX_PAGE)).scalars().all()
+    faults = s.execute(select(t.ValidatorFault).where(t.ValidatorFault.run_id == run_id)
+                       .order_by(t.ValidatorFault.round)).scalars().all()
     return {"run_id": run_id, "status": run.status, "rounds": rounds, "workers": workers,
-            "rejections": [_rejection_json(x) for x in rejections]}
+            "rejections": [_rejection_json(x) for x in rejections],
+            "validator_faults": [{"round": f.round, "validator": f.validator,
+                                  "result_digest": f.result_digest,
+                                  "certified_digest": f.certified_digest} for f in faults]}
 
 
 def events_page(s: Session, run_id: str, after: int, limit: int) -> dict[str, Any]:
+    """Chain rows after ``seq``; each carries the ledger's checkpoint signature or null."""
     limit = max(1, min(limit, MAX_PAGE))
-    rows = s.execute(select(t.Event).where(t.Event.run_id == run_id, t.Event.seq > after)
-                     .order_by(t.Event.seq).limit(limit)).scalars().all()
-    return {"run_id": run_id, "events": [
-        {"seq": e.seq, "kind": e.kind, "body": e.body.decode("ascii"), "prev_hash": e.prev_hash,
-         "hash": e.hash, "ledger_signature": e.ledger_signature} for e in rows]}
+    return {"run_id": run_id, "events": events_with_checkpoints(s, run_id, after, limit)}
 
 
 def rejections_page(s: Session, run_id: str, *, round_index: int | None, signer: str | None,
@@ -192,7 +203,7 @@ def round_results(s: Session, run_id: str, r: int) -> dict[str, Any]:
     rows = s.execute(select(t.RoundResultRow.body).where(
         t.RoundResultRow.run_id == run_id, t.RoundResultRow.round == r)
         .order_by(t.RoundResultRow.id)).scalars().all()
-    return {"results": [decode_canonical(b) for b in rows]}
+    return {"results": [decode_canonical(b, max_bytes=MAX_RESULT_BYTES) for b in rows]}
 
 
 def participants(s: Session, run_id: str) -> dict[str, Any]:

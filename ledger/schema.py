@@ -62,12 +62,16 @@ class Round(Base):
     finalized_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     certificate: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     beacon: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    reveal_deadline: Mapped[float | None] = mapped_column(Float, nullable=True)
     eval_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Submission(Base):
     __tablename__ = "submissions"
-    __table_args__ = (UniqueConstraint("run_id", "round", "worker"),)
+    __table_args__ = (
+        UniqueConstraint("run_id", "round", "worker"),
+        Index("ix_submissions_worker", "run_id", "worker", "round"),
+    )
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.run_id"))
     round: Mapped[int] = mapped_column(Integer)
@@ -122,13 +126,17 @@ class Verdict(Base):
     quality: Mapped[float] = mapped_column(Float, default=0.0)
     score: Mapped[float] = mapped_column(Float, default=0.0)
     reward: Mapped[float] = mapped_column(Float, default=0.0)
+    checks: Mapped[str] = mapped_column(Text, default="[]")  # segment checks with evidence hashes
 
 
 class Rejection(Base):
     """A write the ledger refused at its door (bad signature, late, duplicate, ...)."""
 
     __tablename__ = "rejections"
-    __table_args__ = (Index("ix_rejections_run_round", "run_id", "round"),)
+    __table_args__ = (
+        Index("ix_rejections_run_round", "run_id", "round"),
+        Index("ix_rejections_signer", "run_id", "signer"),
+    )
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(String(64))
     round: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -161,4 +169,67 @@ class Event(Base):
     body: Mapped[bytes] = mapped_column(LargeBinary)
     prev_hash: Mapped[str] = mapped_column(String(64))
     hash: Mapped[str] = mapped_column(String(64), unique=True)
-    ledger_signature: Mapped[str] = mapped_column(String(128))
+
+
+class Checkpoint(Base):
+    """The ledger's Ed25519 signature over the chain head ``(run_id, seq, hash)``.
+
+    One signature vouches for row ``seq`` and, through the hash chain, for every
+    row before it (specs/protocol.md, section 9). Append-only like ``events``.
+    """
+
+    __tablename__ = "checkpoints"
+    run_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    hash: Mapped[str] = mapped_column(String(64))
+    signature: Mapped[str] = mapped_column(String(128))
+    signed_at: Mapped[float] = mapped_column(Float)
+
+
+class ChallengeRow(Base):
+    """Segments a worker must reveal for a round, fixed with the round's beacon."""
+
+    __tablename__ = "challenges"
+    run_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    round: Mapped[int] = mapped_column(Integer, primary_key=True)
+    worker: Mapped[str] = mapped_column(String(64), primary_key=True)
+    segments: Mapped[str] = mapped_column(Text)  # canonical JSON list of segment indices
+    needed: Mapped[str] = mapped_column(Text)  # canonical JSON list of content hashes
+
+
+class RevealRow(Base):
+    """A revealed state or residual file, accepted only if some challenge needs its hash."""
+
+    __tablename__ = "reveals"
+    run_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    round: Mapped[int] = mapped_column(Integer, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    at: Mapped[float] = mapped_column(Float)
+
+
+class Penalty(Base):
+    """A sanction taken back from a worker (e.g. its unvested rewards after a failed check)."""
+
+    __tablename__ = "penalties"
+    __table_args__ = (Index("ix_penalties_worker", "run_id", "worker", "round"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64))
+    round: Mapped[int] = mapped_column(Integer)
+    worker: Mapped[str] = mapped_column(String(64))
+    kind: Mapped[str] = mapped_column(String(16))
+    amount: Mapped[float] = mapped_column(Float)
+    source_round: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(String(64))
+    detail: Mapped[str] = mapped_column(Text)
+
+
+class ValidatorFault(Base):
+    """A validator's result that differs from the round's certificate."""
+
+    __tablename__ = "validator_faults"
+    run_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    round: Mapped[int] = mapped_column(Integer, primary_key=True)
+    validator: Mapped[str] = mapped_column(String(64), primary_key=True)
+    result_digest: Mapped[str] = mapped_column(String(64))
+    certified_digest: Mapped[str] = mapped_column(String(64))

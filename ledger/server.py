@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from aiohttp import BodyPartReader, web
+from veritrain.protocol.challenges import max_reveal_bytes
 from veritrain.protocol.encoding import decode_canonical, encode_canonical
 from veritrain.protocol.errors import EncodingError, OversizedError, RejectedInput
 from veritrain.protocol.identity import Identity
@@ -35,6 +36,8 @@ from veritrain.protocol.messages import (
 
 from . import queries
 from .blobs import BlobStore
+from .challenges import challenges_view
+from .ratelimit import LIMITS, RateLimits, charge_signer, ratelimit_middleware
 from .store import LedgerStore
 
 log = logging.getLogger("veritrain.ledger")
@@ -62,6 +65,11 @@ class LedgerConfig:
     db_url: str
     tick_seconds: float = 0.2
     max_dataset_bytes: int = 1 << 30
+    # Token buckets (ratelimit.py): requests per second and burst; a rate of 0 disables.
+    ip_rate: float = 200.0
+    ip_burst: float = 400.0
+    key_rate: float = 5.0
+    key_burst: float = 20.0
 
 
 @dataclass
@@ -87,6 +95,12 @@ class Ledger:
 
 LEDGER = web.AppKey("ledger", Ledger)
 SIGNER = web.RequestKey("signer", str)
+
+
+def set_signer(request: web.Request, signer: str) -> None:
+    """Note a write's verified signer and charge its rate-limit bucket (may raise 429)."""
+    request[SIGNER] = signer
+    charge_signer(request, signer)
 
 
 def problem(status: int, reason: str, detail: str) -> web.Response:
@@ -210,7 +224,7 @@ async def create_run(request: web.Request) -> web.Response:
     reader = await request.multipart()
     spec_raw = await read_part_bytes(await next_part(reader, "spec"), MAX_MESSAGE_BYTES)
     signed = open_signed(decode_canonical(spec_raw), RunSpec)
-    request[SIGNER] = signed.signer
+    set_signer(request, signed.signer)
     spec = signed.message
     digest, size = await stream_part_to_blob(
         ledger, await next_part(reader, "dataset"), ledger.config.max_dataset_bytes,
@@ -233,7 +247,7 @@ async def get_run(request: web.Request) -> web.Response:
 async def register(request: web.Request) -> web.Response:
     ledger = request.app[LEDGER]
     signed = open_signed(await read_message(request), Registration)
-    request[SIGNER] = signed.signer
+    set_signer(request, signed.signer)
     if signed.message.run_id != request.match_info["run_id"]:
         raise RejectedInput("registration is for another run", "wrong_run")
     return web.json_response(await ledger.write(ledger.store.register, signed))
@@ -260,7 +274,7 @@ async def submit(request: web.Request) -> web.Response:
     reader = await request.multipart()
     env_raw = await read_part_bytes(await next_part(reader, "envelope"), MAX_MESSAGE_BYTES)
     signed = open_signed(decode_canonical(env_raw), Submission)
-    request[SIGNER] = signed.signer
+    set_signer(request, signed.signer)
     sub = signed.message
     if sub.run_id != request.match_info["run_id"] or sub.round != path_round(request):
         raise RejectedInput("envelope run or round differs from the URL", "wrong_round")
@@ -287,14 +301,15 @@ async def post_result(request: web.Request) -> web.Response:
     reader = await request.multipart()
     raw = await read_part_bytes(await next_part(reader, "result"), 16 * MAX_MESSAGE_BYTES)
     signed = open_signed(decode_canonical(raw, max_bytes=16 * MAX_MESSAGE_BYTES), RoundResult)
-    request[SIGNER] = signed.signer
+    set_signer(request, signed.signer)
     res = signed.message
     if res.run_id != request.match_info["run_id"] or res.round != path_round(request):
         raise RejectedInput("result run or round differs from the URL", "wrong_round")
     await ledger.read(lambda s: ledger.store.get_spec(s, res.run_id))
     cert = res.certified_state
     for name, expected, kind in (("model", cert.model_hash, "model"),
-                                 ("outer_state", cert.outer_state_hash, "outer_state")):
+                                 ("outer_state", cert.outer_state_hash, "outer_state"),
+                                 ("update", cert.update_hash, "update")):
         digest, size = await stream_part_to_blob(
             ledger, await next_part(reader, name), MAX_MODEL_BYTES, expected)
         await ledger.write(ledger.store.record_blob, digest, size, kind, res.run_id)
@@ -319,7 +334,7 @@ async def get_participants(request: web.Request) -> web.Response:
 async def post_beacon_share(request: web.Request) -> web.Response:
     ledger = request.app[LEDGER]
     signed = open_signed(await read_message(request), BeaconShare)
-    request[SIGNER] = signed.signer
+    set_signer(request, signed.signer)
     msg = signed.message
     if msg.run_id != request.match_info["run_id"] or msg.round != path_round(request):
         raise RejectedInput("share run or round differs from the URL", "wrong_round")
@@ -331,6 +346,37 @@ async def get_beacon(request: web.Request) -> web.Response:
     ledger = request.app[LEDGER]
     return web.json_response(await ledger.read(
         queries.beacon, request.match_info["run_id"], path_round(request)))
+
+
+@routes.get("/v1/runs/{run_id}/rounds/{round}/challenges")
+async def get_challenges(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(
+        challenges_view, request.match_info["run_id"], path_round(request), time.time()))
+
+
+@routes.put("/v1/runs/{run_id}/rounds/{round}/reveals/{digest}")
+async def put_reveal(request: web.Request) -> web.Response:
+    """A challenged state or residual file; accepted only if some challenge needs its hash."""
+    ledger = request.app[LEDGER]
+    run_id, r, digest = request.match_info["run_id"], path_round(request), request.match_info["digest"]
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise EncodingError("reveals are named by lowercase sha256 hex")
+    spec = await ledger.read(lambda s: ledger.store.get_spec(s, run_id))
+    limit = max_reveal_bytes(spec.num_params)
+    if request.content_length is not None and request.content_length > limit:
+        raise OversizedError(f"a reveal is at most {limit} bytes")
+    await ledger.write(ledger.store.precheck_reveal, run_id, r, digest)
+    writer = ledger.blobs.writer(limit)
+    try:
+        while chunk := await request.content.read(1 << 16):
+            writer.write(chunk)
+        writer.commit(digest)
+    except BaseException:
+        writer.abort()
+        raise
+    return web.json_response(await ledger.write(ledger.store.accept_reveal, run_id, r, digest,
+                                                writer.size), status=201)
 
 
 @routes.get("/v1/blobs/{digest}")
@@ -420,8 +466,41 @@ def make_app(config: LedgerConfig, identity: Identity) -> web.Application:
         writer=ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger-writer"),
         readers=ThreadPoolExecutor(max_workers=4, thread_name_prefix="ledger-reader"),
     )
-    app = web.Application(client_max_size=MAX_MESSAGE_BYTES, middlewares=[problems_middleware])
+    from . import audit_api, web_page
+    from .guards import media_type_middleware
+    from .metrics import METRICS, Metrics, metrics_middleware
+
+    app = web.Application(client_max_size=MAX_MESSAGE_BYTES, middlewares=[
+        metrics_middleware, ratelimit_middleware, problems_middleware, media_type_middleware])
     app[LEDGER] = ledger
+    app[METRICS] = Metrics()
+    app[LIMITS] = RateLimits.build(config.ip_rate, config.ip_burst, config.key_rate,
+                                   config.key_burst)
     app.add_routes(routes)
+    app.add_routes(audit_api.routes)
+    app.add_routes(web_page.routes)
     app.cleanup_ctx.append(_ticker)
+    app.cleanup_ctx.append(_checkpoint_signer)
     return app
+
+
+async def _checkpoint_signer(app: web.Application) -> AsyncIterator[None]:
+    """Sign the chain heads that no commit-time checkpoint covered (checkpoints.py)."""
+    ledger = app[LEDGER]
+    checkpointer = ledger.store.checkpointer
+
+    async def loop() -> None:
+        while True:
+            await asyncio.sleep(checkpointer.every_seconds)
+            try:
+                await ledger.write(checkpointer.sign_pending, ledger.store.sessions)
+            except Exception:
+                log.exception("checkpoint signing failed")
+
+    task = asyncio.create_task(loop())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    with contextlib.suppress(RuntimeError):  # the writer may already be shut down
+        await ledger.write(checkpointer.sign_pending, ledger.store.sessions)

@@ -37,8 +37,15 @@ from veritrain.protocol.messages import (
 from veritrain.protocol.rules import SubmissionContext, check_submission
 from veritrain.protocol.schedule import Action, RoundStatus, RoundView, next_action
 
+from . import migrate
 from . import schema as t
-from .chain import GENESIS_HASH, compute_event_hash, event_signing_root
+from .chain import GENESIS_HASH, compute_event_hash
+from .challenges import check_reveal_wanted, fix_challenges, needed_by
+from .checkpoints import Checkpointer, chain_head, note_append
+from .penalties import apply_worker_penalties, record_validator_faults
+
+#: A round result carries up to 10,000 verdicts and scores (protocol.md 2.2: 16 MiB).
+MAX_RESULT_BYTES = 16 << 20
 
 
 class NotFound(RejectedInput):
@@ -65,6 +72,9 @@ def make_engine(url: str) -> Engine:
             cur.execute("PRAGMA synchronous=FULL")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA busy_timeout=10000")
+            # 64 MiB of page cache: the chain's and digests' unique indexes take random
+            # inserts, which the 2 MiB default turns into disk reads past ~100k rows.
+            cur.execute("PRAGMA cache_size=-65536")
             cur.close()
 
     return engine
@@ -85,27 +95,26 @@ class Certificate:
 class LedgerStore:
     def __init__(self, url: str, identity: Identity, clock: Callable[[], float] = time.time):
         self.engine = make_engine(url)
-        t.Base.metadata.create_all(self.engine)
+        migrate.upgrade(self.engine)
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
         self.identity = identity
         self.clock = clock
+        self.checkpointer = Checkpointer(identity, clock)
+        self.checkpointer.install(self.sessions)
+        self._specs: dict[bytes, RunSpec] = {}
 
     # ----------------------------------------------------------------- chain
 
     def _append(self, s: Session, run_id: str, kind: str, body: bytes) -> t.Event:
-        last = s.execute(
-            select(t.Event).where(t.Event.run_id == run_id).order_by(t.Event.seq.desc()).limit(1)
-        ).scalar_one_or_none()
-        seq = 0 if last is None else last.seq + 1
-        prev = GENESIS_HASH if last is None else last.hash
+        """Chain one row; the ledger signs the chain head at commit (checkpoints.py)."""
+        head = chain_head(s, run_id)
+        seq = 0 if head is None else head[0] + 1
+        prev = GENESIS_HASH if head is None else head[1]
         digest = compute_event_hash(prev, seq, kind, body)
-        sig = self.identity.sign_ed25519(event_signing_root(run_id, seq, digest)).hex()
-        row = t.Event(
-            run_id=run_id, seq=seq, kind=kind, body=body, prev_hash=prev, hash=digest,
-            ledger_signature=sig,
-        )
+        row = t.Event(run_id=run_id, seq=seq, kind=kind, body=body, prev_hash=prev, hash=digest)
         s.add(row)
         s.flush()
+        note_append(s, run_id, seq, digest, kind)
         return row
 
     def _ledger_event(self, s: Session, run_id: str, kind: str, body: dict[str, Any]) -> None:
@@ -117,7 +126,11 @@ class LedgerStore:
         run = s.get(t.Run, run_id)
         if run is None:
             raise NotFound(f"no run {run_id!r}")
-        return open_signed(decode_canonical(run.spec), RunSpec).message
+        spec = self._specs.get(run.spec)  # opened once per stored spec, not per request
+        if spec is None:
+            spec = self._specs[run.spec] = open_signed(decode_canonical(run.spec),
+                                                       RunSpec).message
+        return spec
 
     def create_run(self, signed: Signed[RunSpec]) -> None:
         spec = signed.message
@@ -382,7 +395,34 @@ class LedgerStore:
             rnd.beacon = encode_canonical(beacon)
             self._ledger_event(s, msg.run_id, "beacon_fixed", {
                 "run_id": msg.run_id, "round": msg.round, **beacon})
+            fixed = fix_challenges(s, spec, rnd, bytes.fromhex(beacon_seed_of(rnd.beacon)),
+                                   self.clock())
+            self._ledger_event(s, msg.run_id, "challenges_fixed", {
+                "run_id": msg.run_id, "round": msg.round, "reveal_deadline": rnd.reveal_deadline,
+                "challenges": fixed})
             return {"beacon": beacon}
+
+    # ----------------------------------------------------------------- reveals
+
+    def precheck_reveal(self, run_id: str, r: int, digest: str) -> None:
+        with self.sessions() as s:
+            check_reveal_wanted(s, run_id, r, digest)
+
+    def accept_reveal(self, run_id: str, r: int, digest: str, size: int) -> dict[str, Any]:
+        """Record a revealed file that some challenge of round ``r`` needs."""
+        with self.sessions.begin() as s:
+            check_reveal_wanted(s, run_id, r, digest)
+            now = self.clock()
+            if s.get(t.Blob, digest) is None:
+                s.add(t.Blob(sha256=digest, size=size, kind="reveal", run_id=run_id,
+                             sealed_round=None, created_at=now))
+            s.add(t.RevealRow(run_id=run_id, round=r, digest=digest, size=size, at=now))
+            workers = needed_by(s, run_id, r)[digest]
+            self._ledger_event(s, run_id, "reveal", {
+                "run_id": run_id, "round": r, "digest": digest, "size": size,
+                "workers": workers, "late": (s.get(t.Round, (run_id, r)).reveal_deadline or 0)
+                < now})
+            return {"digest": digest, "workers": workers}
 
     # ----------------------------------------------------------------- results
 
@@ -404,7 +444,7 @@ class LedgerStore:
             if cert.verdicts_hash != digest_of(res.verdicts) or cert.scores_hash != digest_of(
                     res.scores):
                 raise RejectedInput("verdict or score digest mismatch", "malformed")
-            for digest in (cert.model_hash, cert.outer_state_hash):
+            for digest in (cert.model_hash, cert.outer_state_hash, cert.update_hash):
                 if s.get(t.Blob, digest) is None:
                     raise RejectedInput(f"blob {digest[:12]} was not uploaded", "missing_payload")
             vinfo = spec.validators[idx]
@@ -425,9 +465,14 @@ class LedgerStore:
             self._append(s, res.run_id, "round_result", signed.encode())
             s.flush()
             if rnd.status == RoundStatus.FINALIZED.value:
+                certified = decode_canonical(rnd.certificate)["certified"]
+                record_validator_faults(
+                    s, spec, res.round, digest_of(certified),
+                    lambda kind, body: self._ledger_event(s, res.run_id, kind, body))
                 return {"status": "finalized", "certificate": False}
             agreeing = [
-                open_signed(decode_canonical(row.body), RoundResult).message
+                open_signed(decode_canonical(row.body, max_bytes=MAX_RESULT_BYTES),
+                            RoundResult).message
                 for row in s.execute(select(t.RoundResultRow).where(
                     t.RoundResultRow.run_id == res.run_id, t.RoundResultRow.round == res.round,
                     t.RoundResultRow.certified_digest == certified_digest)).scalars().all()
@@ -460,14 +505,15 @@ class LedgerStore:
                 reason=v["reason"], detail=v["detail"], spot_checked=v["spot_checked"],
                 distance=v["distance"], samples=sc.get("samples", 0),
                 quality=sc.get("quality", 0.0), score=sc.get("score", 0.0),
-                reward=sc.get("reward", 0.0)))
-            if v["reason"] == "spot_check_failed" and spec.verification["ban_rounds"] > 0:
-                part = self._participant(s, res.run_id, v["worker"])
-                if part is not None:
-                    part.banned_until_round = res.round + spec.verification["ban_rounds"]
-                    self._ledger_event(s, res.run_id, "ban", {
-                        "run_id": res.run_id, "round": res.round, "worker": v["worker"],
-                        "until_round": part.banned_until_round, "reason": v["reason"]})
+                reward=sc.get("reward", 0.0),
+                checks=encode_canonical(v["checks"]).decode()))
+        s.flush()
+
+        def emit(kind: str, body: dict[str, Any]) -> None:
+            self._ledger_event(s, res.run_id, kind, body)
+
+        apply_worker_penalties(s, spec, res.round, res.verdicts, emit)
+        record_validator_faults(s, spec, res.round, digest_of(res.certified), emit)
         self._ledger_event(s, res.run_id, "round_finalized", {
             "run_id": res.run_id, "round": res.round, "certificate": certificate.to_json()})
         if cert.round >= spec.schedule["max_rounds"]:

@@ -63,14 +63,20 @@ class Api:
 
 
 def run_api(tmp_path: Path, scenario: Callable[[Api], Awaitable[Any]], *,
-            tick_seconds: float = 0.05) -> Any:
-    """Run ``scenario`` against a fresh ledger app served on loopback."""
+            tick_seconds: float = 0.05, db_url: str | None = None,
+            identity: Identity | None = None, **config: Any) -> Any:
+    """Run ``scenario`` against a fresh ledger app served on loopback.
+
+    ``db_url`` picks the database (default: a SQLite file in ``tmp_path``); other
+    keywords are :class:`LedgerConfig` fields (rate limits, for example).
+    """
 
     async def main() -> Any:
-        config = LedgerConfig(data_dir=tmp_path / "ledger",
-                              db_url=f"sqlite:///{tmp_path / 'ledger.sqlite'}",
-                              tick_seconds=tick_seconds)
-        server = TestServer(make_app(config, Identity.generate("ledger")), host="127.0.0.1")
+        cfg = LedgerConfig(data_dir=tmp_path / "ledger",
+                           db_url=db_url or f"sqlite:///{tmp_path / 'ledger.sqlite'}",
+                           tick_seconds=tick_seconds, **config)
+        server = TestServer(make_app(cfg, identity or Identity.generate("ledger")),
+                            host="127.0.0.1")
         await server.start_server()
         try:
             async with aiohttp.ClientSession() as session:

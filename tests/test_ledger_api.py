@@ -4,6 +4,7 @@ import hashlib
 
 import pytest
 from fakes import make_fake_run, make_submission
+from ledger_backends import make_fixture
 from ledger_harness import run_api
 from sqlalchemy import func, select
 from veritrain.ledger import schema as t
@@ -11,6 +12,7 @@ from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import Receipt, open_signed
 
 PAYLOAD = b"\x01\x02" * 10
+ledger_url = make_fixture()  # every test runs on SQLite and on PostgreSQL
 
 
 def _counts(store):
@@ -20,7 +22,7 @@ def _counts(store):
                                     ("blobs", t.Blob)]}
 
 
-def test_submission_gets_a_signed_receipt_and_payload_is_sealed(tmp_path):
+def test_submission_gets_a_signed_receipt_and_payload_is_sealed(tmp_path, ledger_url):
     run = make_fake_run("api-run")
     worker, other = Identity.generate("worker"), Identity.generate("worker")
 
@@ -48,7 +50,7 @@ def test_submission_gets_a_signed_receipt_and_payload_is_sealed(tmp_path):
         sealed = (await api.get(f"/v1/runs/{run.spec.run_id}/rounds/0/submissions"))[1]
         assert len(sealed["submissions"]) == 2
 
-    run_api(tmp_path, scenario)
+    run_api(tmp_path, scenario, db_url=ledger_url)
 
 
 BREAKERS = {
@@ -68,7 +70,7 @@ STATUS = {"bad_signature": 401, "unknown_worker": 403, "oversized": 413, "duplic
 
 
 @pytest.mark.parametrize("reason", sorted(BREAKERS))
-def test_invalid_submission_refused_with_reason(tmp_path, reason):
+def test_invalid_submission_refused_with_reason(tmp_path, reason, ledger_url):
     case = BREAKERS[reason]
     run = make_fake_run("api-run")
     worker, bystander = Identity.generate("worker"), Identity.generate("worker")
@@ -114,10 +116,10 @@ def test_invalid_submission_refused_with_reason(tmp_path, reason):
         assert round_info["status"] == "open"
         assert round_info["submissions"] == (1 if case.get("twice") else 0)
 
-    run_api(tmp_path, scenario)
+    run_api(tmp_path, scenario, db_url=ledger_url)
 
 
-def test_invalid_oversized_body_refused_before_read(tmp_path):
+def test_invalid_oversized_body_refused_before_read(tmp_path, ledger_url):
     run = make_fake_run("api-run")
 
     async def scenario(api):
@@ -128,10 +130,10 @@ def test_invalid_oversized_body_refused_before_read(tmp_path):
             assert resp.status == 413 and body["reason"] == "oversized"
             assert resp.headers["Content-Type"].startswith("application/problem+json")
 
-    run_api(tmp_path, scenario)
+    run_api(tmp_path, scenario, db_url=ledger_url)
 
 
-def test_invalid_run_spec_with_bad_proof_of_possession(tmp_path):
+def test_invalid_run_spec_with_bad_proof_of_possession(tmp_path, ledger_url):
     good = make_fake_run("pop-run")
     imposter = Identity.generate("validator")
     validators = [dict(good.spec.validators[0], bls_pop=imposter.public.bls_pop)]
@@ -142,10 +144,10 @@ def test_invalid_run_spec_with_bad_proof_of_possession(tmp_path):
         assert status == 401 and body["reason"] == "bad_signature"
         assert (await api.get("/v1/runs/pop-run"))[0] == 404
 
-    run_api(tmp_path, scenario)
+    run_api(tmp_path, scenario, db_url=ledger_url)
 
 
-def test_round_extends_when_too_few_submissions(tmp_path):
+def test_round_extends_when_too_few_submissions(tmp_path, ledger_url):
     schedule = {"round_seconds": 0.2, "min_submissions": 2, "max_rounds": 3}
     run = make_fake_run("slow-run", schedule=schedule)
     worker = Identity.generate("worker")
@@ -164,4 +166,4 @@ def test_round_extends_when_too_few_submissions(tmp_path):
         events = (await api.get("/v1/runs/slow-run/events"))[1]["events"]
         assert "round_extended" in [e["kind"] for e in events]
 
-    run_api(tmp_path, scenario)
+    run_api(tmp_path, scenario, db_url=ledger_url)

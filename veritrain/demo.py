@@ -47,8 +47,11 @@ async def _wait_finished(url: str, run_id: str, timeout: float, label: str) -> d
             for r in report["rounds"]:
                 if r["eval_loss"] is not None and r["round"] > shown:
                     shown = r["round"]
+                    signers = ",".join(str(i) for i in r.get("certified_by") or [])
                     print(f"  [{label}] round {r['round']}: eval loss {r['eval_loss']:.4f}, "
-                          f"{r['accepted']} accepted, {r['rejected']} rejected", flush=True)
+                          f"{r['accepted']} accepted, {r['rejected']} rejected; model "
+                          f"{(r.get('model_hash') or '')[:12]} certified by validators "
+                          f"{signers}", flush=True)
             if report["status"] == "finished":
                 return report
             await asyncio.sleep(0.5)

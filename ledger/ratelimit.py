@@ -1,0 +1,108 @@
+"""Token-bucket rate limits: per client IP for every request, per signer key for writes.
+
+A bucket holds up to ``burst`` tokens and refills at ``rate`` per second; a
+request takes one token or is refused with HTTP 429 (``rate_limited``,
+``Retry-After``). The per-IP check runs before anything is read; the per-key
+check runs once a write's signature has verified (so nobody can drain
+another key's bucket), which is why a flood from one key cannot starve the
+others. Refusals are counted in /metrics, not written to the database. The
+number of tracked clients is bounded (least recently seen forgotten first).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+
+class TokenBuckets:
+    def __init__(self, rate: float, burst: float, *, max_keys: int = 100_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if rate < 0 or burst < 1:
+            raise ValueError("rate must be >= 0 and burst >= 1")
+        self.rate, self.burst, self.max_keys, self.clock = rate, burst, max_keys, clock
+        self._buckets: OrderedDict[str, list[float]] = OrderedDict()
+
+    def take(self, key: str, cost: float = 1.0) -> float:
+        """0.0 if ``key`` may go ahead (a token is spent), else seconds until it may."""
+        now = self.clock()
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = [self.burst, now]
+            if len(self._buckets) > self.max_keys:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(key)
+            bucket[0] = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
+            bucket[1] = now
+        if bucket[0] >= cost:
+            bucket[0] -= cost
+            return 0.0
+        return math.inf if self.rate == 0 else (cost - bucket[0]) / self.rate
+
+
+@dataclass
+class RateLimits:
+    """``None`` disables a limit."""
+
+    per_ip: TokenBuckets | None
+    per_key: TokenBuckets | None
+    refused: dict[str, int]
+
+    @classmethod
+    def build(cls, ip_rate: float, ip_burst: float, key_rate: float,
+              key_burst: float) -> RateLimits:
+        return cls(TokenBuckets(ip_rate, ip_burst) if ip_rate > 0 else None,
+                   TokenBuckets(key_rate, key_burst) if key_rate > 0 else None,
+                   {"ip": 0, "key": 0})
+
+
+LIMITS = web.AppKey("rate_limits", RateLimits)
+
+
+def too_many(scope: str, wait: float) -> web.Response:
+    detail = f"too many requests from this {scope}; retry in {wait:.1f}s"
+    body = {"type": "https://veritrain.dev/problems/rate_limited", "title": "rate_limited",
+            "status": 429, "reason": "rate_limited", "detail": detail}
+    return web.json_response(body, status=429, content_type="application/problem+json",
+                             headers={"Retry-After": str(max(1, math.ceil(min(wait, 3600))))})
+
+
+class KeyRateLimited(web.HTTPTooManyRequests):
+    """Raised inside a handler when a verified signer is over its budget."""
+
+    def __init__(self, wait: float) -> None:
+        super().__init__(reason="Rate Limited",
+                         text=f"too many writes from this key; retry in {wait:.1f}s")
+        self.wait = wait
+
+
+def charge_signer(request: web.Request, signer: str) -> None:
+    limits = request.app.get(LIMITS)
+    if limits is None or limits.per_key is None:
+        return
+    wait = limits.per_key.take(signer)
+    if wait > 0:
+        limits.refused["key"] += 1
+        raise KeyRateLimited(wait)
+
+
+@web.middleware
+async def ratelimit_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    limits = request.app.get(LIMITS)
+    if limits is not None and limits.per_ip is not None:
+        wait = limits.per_ip.take(request.remote or "?")
+        if wait > 0:
+            limits.refused["ip"] += 1
+            return too_many("address", wait)
+    resp = await handler(request)
+    if resp.status == 429 and "Retry-After" not in resp.headers and not resp.prepared:
+        resp.headers["Retry-After"] = "1"
+    return resp

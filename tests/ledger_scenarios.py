@@ -1,0 +1,177 @@
+"""Whole rounds through a real LedgerStore, without torch: fake verdicts, real signatures.
+
+``play_run`` registers workers, takes their signed submissions, closes each
+round, posts the validators' beacon shares and signed, BLS-attested round
+results (verdicts and scores made by :mod:`veritrain.ledger.scoring` from the
+kinds of workers given), and so finalizes rounds with real quorum
+certificates: the ledger rows an auditor checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from fakes import FakeRun, make_fake_run, make_submission
+from veritrain.ledger.scoring import compute_scores, split_rewards
+from veritrain.ledger.store import LedgerStore
+from veritrain.protocol.beacon import beacon_root, beacon_seed_of
+from veritrain.protocol.identity import Identity
+from veritrain.protocol.messages import (
+    BeaconShare,
+    CertifiedState,
+    Registration,
+    RoundResult,
+    digest_of,
+    sign,
+)
+from veritrain.protocol.rules import expected_samples
+
+#: Kinds of worker: what the fake validators decide about their submissions.
+HONEST, FREE_RIDER, COPIER, SPOT_FAIL = "honest", "free_rider", "copier", "spot_fail"
+REJECT_REASON = {FREE_RIDER: "norm_outlier", COPIER: "duplicate", SPOT_FAIL: "spot_check_failed"}
+
+
+@dataclass
+class Played:
+    run: FakeRun
+    store: LedgerStore
+    workers: dict[str, str]  # pubkey -> kind
+    rounds: int
+    verified_work: dict[str, int] = field(default_factory=dict)
+
+
+def register(store: LedgerStore, run: FakeRun, worker: Identity) -> None:
+    reg = Registration(run_id=run.spec.run_id, round=0, participant=worker.public_key.hex(),
+                       role="worker", created_at=1)
+    store.register(sign(worker, reg))
+
+
+def _blob(store: LedgerStore, data: bytes, kind: str, run_id: str) -> str:
+    digest = hashlib.sha256(data).hexdigest()
+    store.record_blob(digest, len(data), kind, run_id)
+    return digest
+
+
+def _verdict(worker: str, digest: str, kind: str) -> dict[str, Any]:
+    rejected = kind != HONEST
+    return {"worker": worker, "submission_digest": digest,
+            "status": "rejected" if rejected else "accepted",
+            "reason": REJECT_REASON.get(kind, ""), "detail": f"fake verdict for a {kind}",
+            "spot_checked": kind == SPOT_FAIL, "distance": 0.5 if kind == SPOT_FAIL else None,
+            "checks": []}
+
+
+def build_results(run: FakeRun, r: int, base: str, seed: str, subs: dict[str, str],
+                  kinds: dict[str, str], quality: dict[str, float] | None = None
+                  ) -> tuple[list[Any], dict[str, bytes]]:
+    """The quorum's signed, BLS-attested results for round ``r`` and the blobs they name
+    (multipart part name -> bytes)."""
+    spec = run.spec
+    workers = sorted(subs)
+    verdicts = [_verdict(w, subs[w], kinds[w]) for w in workers]
+    samples = {w: expected_samples(spec) if kinds[w] == HONEST else 0 for w in workers}
+    q = {w: (quality or {}).get(w, 1.0) for w in workers}
+    scores_map = compute_scores(samples, q)
+    rewards = split_rewards(scores_map, spec.rewards["per_round"])
+    scores = [{"worker": w, "samples": samples[w], "quality": q[w] if samples[w] else 0.0,
+               "score": scores_map[w], "reward": rewards[w]} for w in workers]
+    blobs = {name: f"{name} {spec.run_id} {r + 1}".encode()
+             for name in ("model", "outer_state", "update")}
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}
+    fields = {"run_id": spec.run_id, "round": r + 1, "model_hash": digests["model"],
+              "outer_state_hash": digests["outer_state"], "update_hash": digests["update"],
+              "verdicts_hash": digest_of(verdicts), "scores_hash": digest_of(scores),
+              "eval_loss": 3.0 - 0.25 * r}
+    cert = CertifiedState.from_body({k: v for k, v in fields.items()
+                                     if k in CertifiedState.SCHEMA})
+    signed = [sign(v, RoundResult(
+        run_id=spec.run_id, round=r, validator=v.public_key.hex(), base_model_hash=base,
+        beacon_seed=seed, verdicts=verdicts, scores=scores, certified=cert.to_body(),
+        attestation=v.sign_bls(cert.signing_root()).hex())) for v in run.validators[: spec.quorum]]
+    return signed, blobs
+
+
+def beacon_share(run: FakeRun, validator: Identity, r: int) -> Any:
+    spec = run.spec
+    return sign(validator, BeaconShare(run_id=spec.run_id, round=r,
+                                       validator=validator.public_key.hex(),
+                                       share=validator.sign_bls(beacon_root(spec.run_id, r)).hex()))
+
+
+def finalize_round(store: LedgerStore, run: FakeRun, r: int, base: str,
+                   subs: dict[str, str], kinds: dict[str, str],
+                   quality: dict[str, float] | None = None) -> str:
+    """Post beacon shares and a quorum of identical results for closed round ``r``."""
+    spec = run.spec
+    for v in run.validators[: spec.quorum]:
+        store.post_beacon_share(beacon_share(run, v, r))
+    with store.sessions() as s:
+        from veritrain.ledger import schema as t
+
+        beacon = s.get(t.Round, (spec.run_id, r)).beacon
+    results, blobs = build_results(run, r, base, beacon_seed_of(beacon), subs, kinds, quality)
+    for name, data in blobs.items():
+        _blob(store, data, name, spec.run_id)
+    for res in results:
+        store.post_result(res)
+    return res.message.certified["model_hash"]
+
+
+def play_run(store: LedgerStore, run: FakeRun, kinds: list[str], rounds: int, *,
+             quality: dict[int, float] | None = None,
+             join_round: dict[int, int] | None = None,
+             turns: dict[int, tuple[int, str]] | None = None) -> Played:
+    """``rounds`` finalized rounds with one worker per entry of ``kinds``; worker ``i``
+    registers in round ``join_round[i]`` (default 0), its updates keep ``quality[i]``,
+    and from round ``turns[i][0]`` on it behaves as ``turns[i][1]``."""
+    spec = run.spec
+    _blob(store, run.dataset, "dataset", spec.run_id)
+    _blob(store, run.genesis, "model", spec.run_id)
+    store.create_run(run.signed)
+    ids = [Identity.generate("worker") for _ in kinds]
+    by_key = {w.public_key.hex(): k for w, k in zip(ids, kinds, strict=True)}
+    joins = {w.public_key.hex(): (join_round or {}).get(i, 0) for i, w in enumerate(ids)}
+    q_by_key = {w.public_key.hex(): (quality or {}).get(i, 1.0) for i, w in enumerate(ids)}
+    base = spec.genesis_model_hash
+    played = Played(run, store, by_key, rounds)
+    banned_until: dict[str, int] = {}
+    for r in range(rounds):
+        now = dict(by_key)
+        for i, (start, kind) in (turns or {}).items():
+            if r >= start:
+                now[ids[i].public_key.hex()] = kind
+        subs: dict[str, str] = {}
+        for w in ids:
+            if joins[w.public_key.hex()] == r:
+                register(store, run, w)
+        for w in ids:
+            payload = f"payload {r} {w.public_key.hex()}".encode()
+            if joins[w.public_key.hex()] > r or banned_until.get(w.public_key.hex(), -1) >= r:
+                continue  # banned after its failed spot check
+            digest = hashlib.sha256(payload).hexdigest()
+            store.record_blob(digest, len(payload), "payload", spec.run_id, r)
+            signed = make_submission(run, w, payload, round_index=r, base=base)
+            store.accept_submission(signed, digest, len(payload))
+            subs[w.public_key.hex()] = signed.digest
+        with store.sessions() as s:
+            from veritrain.ledger import schema as t
+
+            assert s.get(t.Round, (spec.run_id, r)).status == "closed", "round did not close"
+        base = finalize_round(store, run, r, base, subs, now, q_by_key)
+        for w in subs:
+            if now[w] == SPOT_FAIL and spec.verification["ban_rounds"] > 0:
+                banned_until[w] = r + spec.verification["ban_rounds"]
+            if now[w] == HONEST:
+                played.verified_work[w] = played.verified_work.get(w, 0) + expected_samples(spec)
+    return played
+
+
+def make_store(url: str) -> LedgerStore:
+    return LedgerStore(url, Identity.generate("ledger"))
+
+
+def quick_run(run_id: str = "audit-run", **overrides: Any) -> FakeRun:
+    schedule = {"round_seconds": 3600.0, "min_submissions": 1, "max_rounds": 50}
+    return make_fake_run(run_id, schedule=schedule, **overrides)

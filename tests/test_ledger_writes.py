@@ -1,0 +1,207 @@
+"""Writes take only signed, replay-protected messages from registered keys, within rate
+limits; reads are public. Every refusal is problem+json and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+from fakes import make_fake_run, make_submission
+from ledger_backends import make_fixture
+from ledger_harness import run_api
+from ledger_scenarios import HONEST, beacon_share, build_results
+from sqlalchemy import func, select
+from veritrain.ledger import schema as t
+from veritrain.protocol.beacon import beacon_seed_of
+from veritrain.protocol.identity import Identity
+from veritrain.protocol.messages import Registration, sign
+
+ledger_url = make_fixture()
+PAYLOAD = b"\x07" * 16
+
+
+def counts(store) -> dict[str, int]:
+    with store.sessions() as s:
+        return {name: s.execute(select(func.count()).select_from(table)).scalar_one()
+                for name, table in [("events", t.Event), ("submissions", t.Submission),
+                                    ("participants", t.Participant),
+                                    ("results", t.RoundResultRow),
+                                    ("shares", t.BeaconShareRow)]}
+
+
+def unsigned(wire: dict) -> dict:
+    return {k: v for k, v in wire.items() if k != "signature"}
+
+
+def resigned_by(wire: dict, other: Identity) -> dict:
+    """Same body, signed by another key than the one it names."""
+    from veritrain.protocol.encoding import encode_canonical
+    from veritrain.protocol.messages import open_signed  # noqa: F401 (documents the check)
+    from veritrain.protocol.signing import compute_signing_root
+
+    body = wire["body"]
+    root = compute_signing_root(wire["kind"], body["run_id"], body["round"],
+                                encode_canonical(body))
+    return {**wire, "signature": other.sign_ed25519(root).hex()}
+
+
+def registration(run, who: Identity):
+    return sign(who, Registration(run_id=run.spec.run_id, round=0,
+                                  participant=who.public_key.hex(), role="worker", created_at=1))
+
+
+async def post_result(api, signed, blobs):
+    r = signed.message.round
+    return await api.post_parts(
+        f"/v1/runs/{signed.message.run_id}/rounds/{r}/results",
+        [("result", signed.encode())] + [(name, data) for name, data in blobs.items()])
+
+
+def test_invalid_writes_unsigned_wrongly_signed_replayed_or_unregistered(tmp_path, ledger_url):
+    run = make_fake_run("door-run")
+    worker, stranger = Identity.generate("worker"), Identity.generate("worker")
+    other = Identity.generate("worker")
+    validator = run.validators[0]
+
+    async def scenario(api):
+        store = api.store
+        path = "/v1/runs/door-run"
+        assert (await api.create_run(run))[0] == 201
+        assert (await api.create_run(run))[1]["reason"] == "duplicate"  # replayed run spec
+
+        # Registrations: signed by the named key; a replay is idempotent and writes nothing.
+        reg = registration(run, worker).to_wire()
+        before = counts(store)  # (other keeps the round open for the replay below)
+        for wire, reason, status in [(unsigned(reg), "malformed", 400),
+                                     (resigned_by(reg, stranger), "bad_signature", 401)]:
+            got = await api.post_json(path + "/participants", wire)
+            assert got == (status, got[1]) and got[1]["reason"] == reason, got
+        assert counts(store) == before
+        assert (await api.post_json(path + "/participants", reg))[1]["new"] is True
+        await api.post_json(path + "/participants", registration(run, other).to_wire())
+        after = counts(store)
+        replay = await api.post_json(path + "/participants", reg)
+        assert replay[0] == 200 and replay[1]["new"] is False
+        assert counts(store) == after
+
+        # Submissions: unsigned, wrongly signed, from an unregistered key, replayed.
+        sub = make_submission(run, worker, PAYLOAD)
+        loose = make_submission(run, stranger, PAYLOAD)
+        from veritrain.protocol.encoding import encode_canonical
+
+        async def submit_wire(wire):
+            return await api.post_parts(path + "/rounds/0/submissions",
+                                        [("envelope", encode_canonical(wire)),
+                                         ("payload", PAYLOAD)])
+
+        before = counts(store)
+        for wire, reason, status in [
+                (unsigned(sub.to_wire()), "malformed", 400),
+                (resigned_by(sub.to_wire(), stranger), "bad_signature", 401),
+                (loose.to_wire(), "unknown_worker", 403)]:
+            got = await submit_wire(wire)
+            assert got[0] == status and got[1]["reason"] == reason, got
+        assert counts(store) == before
+        assert (await api.submit(sub, PAYLOAD))[0] == 201
+        after = counts(store)
+        got = await api.submit(sub, PAYLOAD)
+        assert got[0] == 409 and got[1]["reason"] == "duplicate"
+        assert counts(store) == after
+        late = make_submission(run, other, PAYLOAD + b"!")
+        assert (await api.submit(late, PAYLOAD + b"!"))[0] == 201  # closes the round
+        got = await api.submit(sub, PAYLOAD)  # a replay after the close
+        assert got[0] == 400 and got[1]["reason"] == "wrong_round"
+
+        # Beacon shares (after close): only the run's validators; a replay changes nothing.
+        share = beacon_share(run, validator, 0).to_wire()
+        bpath = path + "/rounds/0/beacon"
+        for wire, reason in [(unsigned(share), "malformed"),
+                             (resigned_by(share, stranger), "bad_signature"),
+                             (beacon_share(run, Identity.generate("validator"), 0).to_wire(),
+                              "unknown_validator")]:
+            got = await api.post_json(bpath, wire)
+            assert got[1]["reason"] == reason, got
+        fixed = await api.post_json(bpath, share)
+        assert fixed[0] == 200 and fixed[1]["beacon"] is not None
+        after = counts(store)
+        again = await api.post_json(bpath, share)
+        assert again == fixed and counts(store) == after
+
+        # Results: only validators; the same result twice is refused.
+        seed = beacon_seed_of(fixed[1]["beacon"])
+        subs = {worker.public_key.hex(): sub.digest, other.public_key.hex(): late.digest}
+        results, blobs = build_results(run, 0, run.spec.genesis_model_hash, seed, subs,
+                                       dict.fromkeys(subs, HONEST))
+        impostor = Identity.generate("validator")
+        forged = sign(impostor, results[0].message.__class__(
+            **{**results[0].message.to_body(), "validator": impostor.public_key.hex()}))
+        got = await post_result(api, forged, blobs)
+        assert got[0] == 403 and got[1]["reason"] == "unknown_validator", got
+        got = await post_result(api, results[0], blobs)
+        assert got[0] == 201 and got[1]["certificate"] is True, got
+        after = counts(store)
+        got = await post_result(api, results[0], blobs)
+        assert got[0] == 409 and got[1]["reason"] == "duplicate", got
+        assert counts(store) == after
+
+        # Reads stay public, and every refused write was recorded with its reason.
+        reasons = {x["reason"] for x in (await api.get(path + "/rejections?limit=100"))[1][
+            "rejections"]}
+        assert {"malformed", "bad_signature", "unknown_worker", "duplicate",
+                "unknown_validator"} <= reasons
+
+    run_api(tmp_path, scenario, db_url=ledger_url)
+
+
+def test_invalid_flood_from_one_key_is_limited_without_starving_others(tmp_path):
+    run = make_fake_run("flood-run")
+    flooder, patient = Identity.generate("worker"), Identity.generate("worker")
+
+    async def scenario(api):
+        await api.create_run(run)
+        wire = registration(run, flooder).to_wire()
+        replies = await asyncio.gather(*[api.post_json("/v1/runs/flood-run/participants", wire)
+                                         for _ in range(30)])
+        statuses = [s for s, _ in replies]
+        assert statuses.count(200) == 5 and statuses.count(429) == 25
+        refused = next(body for s, body in replies if s == 429)
+        assert refused["reason"] == "rate_limited" and refused["status"] == 429
+        # Another key from the same address still gets through at once.
+        status, body = await api.post_json("/v1/runs/flood-run/participants",
+                                           registration(run, patient).to_wire())
+        assert status == 200 and body["new"] is True
+        async with api.session.get(f"{api.url}/metrics") as resp:
+            text = await resp.text()
+        assert 'veritrain_rate_limited_total{scope="key"} 25' in text
+
+    run_api(tmp_path, scenario, key_rate=0.001, key_burst=5, ip_rate=1000, ip_burst=1000)
+
+
+def test_invalid_flood_from_one_address_gets_429_with_retry_after(tmp_path):
+    async def scenario(api):
+        got = []
+        for _ in range(12):
+            async with api.session.get(f"{api.url}/v1/health") as resp:
+                got.append((resp.status, resp.headers.get("Retry-After"),
+                            resp.headers.get("Content-Type", "")))
+        ok = [g for g in got if g[0] == 200]
+        limited = [g for g in got if g[0] == 429]
+        assert len(ok) == 8 and len(limited) == 4
+        assert all(r and int(r) >= 1 and ct.startswith("application/problem+json")
+                   for _, r, ct in limited)
+
+    run_api(tmp_path, scenario, ip_rate=0.01, ip_burst=8)
+
+
+def test_token_bucket_refills_at_its_rate():
+    from veritrain.ledger.ratelimit import TokenBuckets
+
+    now = [0.0]
+    buckets = TokenBuckets(2.0, 3, clock=lambda: now[0], max_keys=2)
+    assert [buckets.take("a") for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert buckets.take("a") == 0.5
+    now[0] = 0.5
+    assert buckets.take("a") == 0.0 and buckets.take("a") > 0
+    buckets.take("b"), buckets.take("c")  # at most two keys are remembered
+    assert "a" not in buckets._buckets
+    assert hashlib  # (imported for the module's helpers)
