@@ -57,12 +57,15 @@ def needed_by(s: Session, run_id: str, r: int) -> dict[str, list[str]]:
     return out
 
 
-def check_reveal_wanted(s: Session, run_id: str, r: int, digest: str) -> None:
-    """Refuse (before reading the body) a reveal nobody asked for or one already stored."""
+def check_reveal_wanted(s: Session, run_id: str, r: int, digest: str) -> bool:
+    """Refuse (before reading the body) a reveal nobody asked for; True if already stored.
+
+    Identical files (for example the all-zero residual of every new worker)
+    share one hash, so a second upload of a stored reveal is not an error.
+    """
     if digest not in needed_by(s, run_id, r):
         raise NotChallenged(f"no challenge of round {r} needs {digest[:12]}")
-    if s.get(t.RevealRow, (run_id, r, digest)) is not None:
-        raise RejectedInput(f"{digest[:12]} was already revealed", "duplicate")
+    return s.get(t.RevealRow, (run_id, r, digest)) is not None
 
 
 def challenges_view(s: Session, run_id: str, r: int, now: float) -> dict[str, Any]:

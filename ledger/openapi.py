@@ -194,7 +194,10 @@ def _paths() -> dict[str, Any]:
         rnd + "/reveals/{digest}": {"put": op(
             "a challenged file, named by its sha256 (only files some challenge needs)",
             [RUN, ROUND, DIGEST],
-            {"201": ok(obj({"digest": HEX64, "workers": arr(STR)}), "stored", 201)["201"],
+            {"200": ok(obj({"digest": HEX64, "workers": arr(STR), "already": BOOL}),
+                       "already stored (identical files share one hash)")["200"],
+             "201": ok(obj({"digest": HEX64, "workers": arr(STR), "already": BOOL}),
+                       "stored", 201)["201"],
              **problems(403, 404, 409, 413)},
             {"required": True, "content": {"application/octet-stream": {
                 "schema": {"type": "string", "format": "binary"}}}}, tag="write")},

@@ -366,7 +366,9 @@ async def put_reveal(request: web.Request) -> web.Response:
     limit = max_reveal_bytes(spec.num_params)
     if request.content_length is not None and request.content_length > limit:
         raise OversizedError(f"a reveal is at most {limit} bytes")
-    await ledger.write(ledger.store.precheck_reveal, run_id, r, digest)
+    if await ledger.write(ledger.store.precheck_reveal, run_id, r, digest):
+        return web.json_response(await ledger.write(ledger.store.accept_reveal, run_id, r,
+                                                    digest, 0))
     writer = ledger.blobs.writer(limit)
     try:
         while chunk := await request.content.read(1 << 16):

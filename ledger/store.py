@@ -404,14 +404,17 @@ class LedgerStore:
 
     # ----------------------------------------------------------------- reveals
 
-    def precheck_reveal(self, run_id: str, r: int, digest: str) -> None:
+    def precheck_reveal(self, run_id: str, r: int, digest: str) -> bool:
+        """Whether the reveal is already stored; refuses one no challenge needs."""
         with self.sessions() as s:
-            check_reveal_wanted(s, run_id, r, digest)
+            return check_reveal_wanted(s, run_id, r, digest)
 
     def accept_reveal(self, run_id: str, r: int, digest: str, size: int) -> dict[str, Any]:
         """Record a revealed file that some challenge of round ``r`` needs."""
         with self.sessions.begin() as s:
-            check_reveal_wanted(s, run_id, r, digest)
+            if check_reveal_wanted(s, run_id, r, digest):
+                return {"digest": digest, "workers": needed_by(s, run_id, r)[digest],
+                        "already": True}
             now = self.clock()
             if s.get(t.Blob, digest) is None:
                 s.add(t.Blob(sha256=digest, size=size, kind="reveal", run_id=run_id,
@@ -422,7 +425,7 @@ class LedgerStore:
                 "run_id": run_id, "round": r, "digest": digest, "size": size,
                 "workers": workers, "late": (s.get(t.Round, (run_id, r)).reveal_deadline or 0)
                 < now})
-            return {"digest": digest, "workers": workers}
+            return {"digest": digest, "workers": workers, "already": False}
 
     # ----------------------------------------------------------------- results
 
