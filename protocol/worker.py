@@ -236,6 +236,10 @@ class WorkerNode:
             prepare_submission, run, self.identity, r, base_flat, info["base_model_hash"],
             state.error_feedback, attack=self.config.attack, device=self.config.device,
             progress=ProgressLine(self.config.progress, r, run.inner.steps))
+        # The evidence goes to disk before the ledger can accept the submission: a
+        # crash right after acceptance must not leave the worker unable to answer
+        # its challenges (an honest worker would then fail its spot check).
+        state.keep_evidence(r, prepared.evidence)
         try:
             wire = await client.post_multipart(
                 f"/v1/runs/{spec.run_id}/rounds/{r}/submissions",
@@ -244,7 +248,6 @@ class WorkerNode:
         except LedgerRefused as exc:
             if exc.reason == "duplicate":
                 log.info("round %d was already submitted before a restart", r)
-                state.keep_evidence(r, prepared.evidence)
                 state.record(r, None, prepared.error_feedback)
                 return False
             log.warning("round %d: submission refused (%s): %s", r, exc.reason, exc.detail)
@@ -254,7 +257,6 @@ class WorkerNode:
         if (receipt.signer != self.ledger_key
                 or receipt.message.submission_digest != prepared.signed.digest):
             raise RuntimeError("the ledger's receipt is not signed by it or names another submission")
-        state.keep_evidence(r, prepared.evidence)
         state.record(r, wire, prepared.error_feedback)
         sub = prepared.signed.message
         log.info("round %d: submitted %d bytes (loss %.4f -> %.4f) in %.1fs", r, len(prepared.payload),

@@ -122,6 +122,8 @@ def cmd_validator(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    if args.what != "verify" and not args.ledger:
+        raise SystemExit("--ledger is required (only `verify --export FILE` works offline)")
     if args.what == "recheck":
         from veritrain.validators.recheck import run_recheck
 
@@ -229,7 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Show a run's report, one worker's history or one round, "
                        "verify the hash chain, signatures and certificates, or re-run a "
                        "recorded spot check from the stored evidence.")
-    a.add_argument("--ledger", required=True, help="ledger URL")
+    a.add_argument("--ledger", help="ledger URL (not needed with --export)")
+    a.add_argument("--export", metavar="FILE", help="verify: check this export file offline")
+    a.add_argument("--save", metavar="FILE", help="download the run's signed export to FILE")
+    a.add_argument("--full", action="store_true",
+                   help="verify: also check every Ed25519 signature (all cores)")
     a.add_argument("--run", help="run id (default: the ledger's only run)")
     a.add_argument("what", nargs="?", default="report",
                    choices=["report", "worker", "round", "verify", "recheck"],
