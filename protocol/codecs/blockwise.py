@@ -13,6 +13,8 @@ one two's-complement byte each (-128 is refused), int4 as 4-bit fields
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import numpy as np
 import torch
 
@@ -77,11 +79,13 @@ class BlockwiseCodec(BaseCodec):
             out.reshape(-1)[:numel].copy() if nb * self.block != numel else out.reshape(-1)
         )
 
+    @abstractmethod
     def _pack_codes(self, q: np.ndarray) -> bytes:
-        raise NotImplementedError
+        """Integer codes [blocks, block] to their packed bytes."""
 
+    @abstractmethod
     def _unpack_codes(self, data: memoryview, numel: int) -> np.ndarray:
-        raise NotImplementedError
+        """Packed bytes back to integer codes."""
 
 
 class Int8Codec(BlockwiseCodec):
