@@ -359,18 +359,25 @@ class LedgerStore:
 
     # ----------------------------------------------------------------- beacon
 
+    def _closed_round_for_validator(self, s: Session, spec: RunSpec, signer: str, named: str,
+                                    r: int, what: str) -> tuple[int, t.Round]:
+        """The signer's validator index and round ``r``, which must be closed already."""
+        idx = spec.validator_index(signer)
+        if idx is None or signer != named:
+            raise RejectedInput(f"{what} not signed by a validator of this run",
+                                "unknown_validator")
+        rnd = self._round(s, spec.run_id, r)
+        if rnd.status == RoundStatus.OPEN.value:
+            raise WrongState(f"a {what} is taken only after round {r} closes")
+        return idx, rnd
+
     def post_beacon_share(self, signed: Signed[BeaconShare]) -> dict[str, Any]:
         """Collect validators' beacon shares after close; fix the first quorum to arrive."""
         msg = signed.message
         with self.sessions.begin() as s:
             spec = self.get_spec(s, msg.run_id)
-            idx = spec.validator_index(signed.signer)
-            if idx is None or signed.signer != msg.validator:
-                raise RejectedInput("share not signed by a validator of this run",
-                                    "unknown_validator")
-            rnd = self._round(s, msg.run_id, msg.round)
-            if rnd.status == RoundStatus.OPEN.value:
-                raise WrongState("beacon shares are taken only after the round closes")
+            idx, rnd = self._closed_round_for_validator(s, spec, signed.signer, msg.validator,
+                                                        msg.round, "beacon share")
             if not bls.verify(bytes.fromhex(spec.validators[idx]["bls"]),
                               beacon_root(msg.run_id, msg.round), bytes.fromhex(msg.share)):
                 raise RejectedInput("beacon share does not verify", "bad_signature")
@@ -435,13 +442,8 @@ class LedgerStore:
         cert = res.certified_state
         with self.sessions.begin() as s:
             spec = self.get_spec(s, res.run_id)
-            idx = spec.validator_index(signed.signer)
-            if idx is None or signed.signer != res.validator:
-                raise RejectedInput("result not signed by a validator of this run",
-                                    "unknown_validator")
-            rnd = self._round(s, res.run_id, res.round)
-            if rnd.status == RoundStatus.OPEN.value:
-                raise WrongState(f"round {res.round} is still open")
+            idx, rnd = self._closed_round_for_validator(s, spec, signed.signer, res.validator,
+                                                        res.round, "result")
             if res.base_model_hash != rnd.base_model_hash or cert.round != res.round + 1:
                 raise RejectedInput("result is for another base model or round", "wrong_round")
             if cert.verdicts_hash != digest_of(res.verdicts) or cert.scores_hash != digest_of(
