@@ -109,8 +109,8 @@ def ok(schema: dict[str, Any], description: str = "OK", status: int = 200,
 def op(summary: str, params: list[dict[str, Any]], responses: dict[str, Any],
        body: dict[str, Any] | None = None, tag: str = "audit") -> dict[str, Any]:
     """Every operation may answer 400 (bad parameters) and 429 (rate limited); one
-    with a body also 413 (too large) and 415 (wrong media type)."""
-    extra = problems(413, 415) if body is not None else problems()
+    with a body also 408 (body too slow), 413 (too large) and 415 (wrong media type)."""
+    extra = problems(408, 413, 415) if body is not None else problems()
     out: dict[str, Any] = {"summary": summary, "tags": [tag], "parameters": params,
                            "responses": {**extra, **responses}}
     if body is not None:
@@ -165,6 +165,8 @@ def _paths() -> dict[str, Any]:
                       {**ok(obj({"submissions": arr(ref("Signed"))})), **problems(404, 409)}),
             "post": op("submit (signed Submission, then its payload)", [RUN, ROUND],
                        {"201": ok(ref("Signed"), "the ledger's signed receipt", 201)["201"],
+                        "200": ok(ref("Signed"), "this envelope was already recorded: "
+                                  "the same receipt")["200"],
                         **problems(401, 403, 404, 409, 413)},
                        multipart({"envelope": "signed Submission", "payload": "payload bytes"}),
                        tag="write")},

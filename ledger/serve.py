@@ -23,7 +23,8 @@ def default_db_url(data_dir: Path) -> str:
 async def serve(config: LedgerConfig, host: str, port: int, ready_file: Path | None) -> None:
     """Serve until SIGINT/SIGTERM; with port 0 the OS picks one, written to ``ready_file``."""
     identity = load_or_create_key(config.data_dir / "ledger.key", "ledger")
-    runner = web.AppRunner(make_app(config, identity), access_log=None)
+    runner = web.AppRunner(make_app(config, identity), access_log=None,
+                           keepalive_timeout=config.keepalive_seconds)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

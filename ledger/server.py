@@ -16,11 +16,11 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from aiohttp import BodyPartReader, web
+from aiohttp import web
 from veritrain.protocol.challenges import max_reveal_bytes
 from veritrain.protocol.encoding import decode_canonical, encode_canonical
 from veritrain.protocol.errors import EncodingError, OversizedError, RejectedInput
@@ -38,7 +38,16 @@ from . import queries
 from .blobs import BlobStore
 from .challenges import challenges_view
 from .ratelimit import LIMITS, RateLimits, charge_signer, ratelimit_middleware
-from .store import LedgerStore
+from .store import Conflict, LedgerStore
+from .uploads import (
+    BodyClock,
+    UploadPolicy,
+    body_clock,
+    next_part,
+    read_body,
+    read_part_bytes,
+    stream_to_blob,
+)
 
 log = logging.getLogger("veritrain.ledger")
 
@@ -56,6 +65,7 @@ STATUS_BY_REASON = {
     "unknown_validator": 403,
     "banned": 403,
     "sealed": 403,
+    "upload_timeout": 408,
 }
 
 
@@ -70,6 +80,10 @@ class LedgerConfig:
     ip_burst: float = 400.0
     key_rate: float = 5.0
     key_burst: float = 20.0
+    # How slow a request body may arrive (uploads.py) and how long an idle or
+    # half-sent request may hold a connection (aiohttp's keep-alive timeout).
+    uploads: UploadPolicy = field(default_factory=UploadPolicy)
+    keepalive_seconds: float = 30.0
 
 
 @dataclass
@@ -148,39 +162,25 @@ def canonical_json(value: Any, status: int = 200) -> web.Response:
 
 
 async def read_message(request: web.Request) -> Any:
-    if request.content_length is not None and request.content_length > MAX_MESSAGE_BYTES:
-        raise OversizedError("message body too large")
-    return decode_canonical(await request.read(), max_bytes=MAX_MESSAGE_BYTES)
+    raw = await read_body(request, clock_of(request), MAX_MESSAGE_BYTES)
+    return decode_canonical(raw, max_bytes=MAX_MESSAGE_BYTES)
 
 
-async def read_part_bytes(part: BodyPartReader, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while chunk := await part.read_chunk(1 << 16):
-        size += len(chunk)
-        if size > limit:
-            raise OversizedError(f"part {part.name!r} exceeds {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+def clock_of(request: web.Request) -> BodyClock:
+    return body_clock(request, request.app[LEDGER].config.uploads)
 
 
-async def stream_part_to_blob(ledger: Ledger, part: BodyPartReader, limit: int,
-                              expected: str | None) -> tuple[str, int]:
-    writer = ledger.blobs.writer(limit)
-    try:
-        while chunk := await part.read_chunk(1 << 16):
-            writer.write(chunk)
-        return writer.commit(expected), writer.size
-    except BaseException:
-        writer.abort()
-        raise
+async def part_bytes(request: web.Request, reader: Any, name: str, limit: int) -> bytes:
+    clock = clock_of(request)
+    return await read_part_bytes(await next_part(reader, name, clock), clock, limit)
 
 
-async def next_part(reader: Any, name: str) -> BodyPartReader:
-    part = await reader.next()
-    if part is None or not isinstance(part, BodyPartReader) or part.name != name:
-        raise EncodingError(f"expected multipart part {name!r}")
-    return part
+async def part_to_blob(request: web.Request, reader: Any, name: str, limit: int,
+                       expected: str | None) -> tuple[str, int]:
+    clock = clock_of(request)
+    part = await next_part(reader, name, clock)
+    return await stream_to_blob(request.app[LEDGER].blobs, part.read_chunk, clock, limit,
+                                expected)
 
 
 def int_param(request: web.Request, name: str, default: int | None = None) -> int | None:
@@ -222,16 +222,15 @@ async def create_run(request: web.Request) -> web.Response:
     """Multipart: ``spec`` (signed RunSpec), ``dataset`` and ``genesis`` blobs."""
     ledger = request.app[LEDGER]
     reader = await request.multipart()
-    spec_raw = await read_part_bytes(await next_part(reader, "spec"), MAX_MESSAGE_BYTES)
+    spec_raw = await part_bytes(request, reader, "spec", MAX_MESSAGE_BYTES)
     signed = open_signed(decode_canonical(spec_raw), RunSpec)
     set_signer(request, signed.signer)
     spec = signed.message
-    digest, size = await stream_part_to_blob(
-        ledger, await next_part(reader, "dataset"), ledger.config.max_dataset_bytes,
-        spec.dataset_hash)
+    digest, size = await part_to_blob(request, reader, "dataset",
+                                      ledger.config.max_dataset_bytes, spec.dataset_hash)
     await ledger.write(ledger.store.record_blob, digest, size, "dataset", spec.run_id)
-    digest, size = await stream_part_to_blob(
-        ledger, await next_part(reader, "genesis"), MAX_MODEL_BYTES, spec.genesis_model_hash)
+    digest, size = await part_to_blob(request, reader, "genesis", MAX_MODEL_BYTES,
+                                      spec.genesis_model_hash)
     await ledger.write(ledger.store.record_blob, digest, size, "model", spec.run_id)
     await ledger.write(ledger.store.create_run, signed)
     return web.json_response({"run_id": spec.run_id}, status=201)
@@ -269,19 +268,31 @@ async def get_round(request: web.Request) -> web.Response:
 
 @routes.post("/v1/runs/{run_id}/rounds/{round}/submissions")
 async def submit(request: web.Request) -> web.Response:
-    """Multipart: ``envelope`` (signed Submission), then ``payload`` (raw bytes)."""
+    """Multipart: ``envelope`` (signed Submission), then ``payload`` (raw bytes).
+
+    201 with the ledger's signed receipt; 200 with the same receipt when this exact
+    envelope is already recorded (the payload is then not read); 409 ``duplicate``
+    when the worker already submitted a different one for the round."""
     ledger = request.app[LEDGER]
     reader = await request.multipart()
-    env_raw = await read_part_bytes(await next_part(reader, "envelope"), MAX_MESSAGE_BYTES)
+    env_raw = await part_bytes(request, reader, "envelope", MAX_MESSAGE_BYTES)
     signed = open_signed(decode_canonical(env_raw), Submission)
     set_signer(request, signed.signer)
     sub = signed.message
     if sub.run_id != request.match_info["run_id"] or sub.round != path_round(request):
         raise RejectedInput("envelope run or round differs from the URL", "wrong_round")
+    # A retry of a recorded submission (its reply was lost) gets the same receipt, 200.
+    if (done := await ledger.read(ledger.store.recorded_receipt, signed)) is not None:
+        return web.json_response(done.to_wire())
     await ledger.write(ledger.store.precheck_submission, signed)
-    digest, size = await stream_part_to_blob(
-        ledger, await next_part(reader, "payload"), sub.payload_bytes, sub.payload_hash)
-    receipt = await ledger.write(ledger.store.accept_submission, signed, digest, size)
+    digest, size = await part_to_blob(request, reader, "payload", sub.payload_bytes,
+                                      sub.payload_hash)
+    try:
+        receipt = await ledger.write(ledger.store.accept_submission, signed, digest, size)
+    except Conflict:
+        if (done := await ledger.read(ledger.store.recorded_receipt, signed)) is not None:
+            return web.json_response(done.to_wire())
+        raise
     return web.json_response(receipt.to_wire(), status=201)
 
 
@@ -299,7 +310,7 @@ async def post_result(request: web.Request) -> web.Response:
     """Multipart: ``result`` (signed RoundResult), ``model`` and ``outer_state`` blobs."""
     ledger = request.app[LEDGER]
     reader = await request.multipart()
-    raw = await read_part_bytes(await next_part(reader, "result"), 16 * MAX_MESSAGE_BYTES)
+    raw = await part_bytes(request, reader, "result", 16 * MAX_MESSAGE_BYTES)
     signed = open_signed(decode_canonical(raw, max_bytes=16 * MAX_MESSAGE_BYTES), RoundResult)
     set_signer(request, signed.signer)
     res = signed.message
@@ -310,8 +321,7 @@ async def post_result(request: web.Request) -> web.Response:
     for name, expected, kind in (("model", cert.model_hash, "model"),
                                  ("outer_state", cert.outer_state_hash, "outer_state"),
                                  ("update", cert.update_hash, "update")):
-        digest, size = await stream_part_to_blob(
-            ledger, await next_part(reader, name), MAX_MODEL_BYTES, expected)
+        digest, size = await part_to_blob(request, reader, name, MAX_MODEL_BYTES, expected)
         await ledger.write(ledger.store.record_blob, digest, size, kind, res.run_id)
     return web.json_response(await ledger.write(ledger.store.post_result, signed), status=201)
 
@@ -369,16 +379,10 @@ async def put_reveal(request: web.Request) -> web.Response:
     if await ledger.write(ledger.store.precheck_reveal, run_id, r, digest):
         return web.json_response(await ledger.write(ledger.store.accept_reveal, run_id, r,
                                                     digest, 0))
-    writer = ledger.blobs.writer(limit)
-    try:
-        while chunk := await request.content.read(1 << 16):
-            writer.write(chunk)
-        writer.commit(digest)
-    except BaseException:
-        writer.abort()
-        raise
+    _, size = await stream_to_blob(ledger.blobs, request.content.read, clock_of(request), limit,
+                                   digest)
     return web.json_response(await ledger.write(ledger.store.accept_reveal, run_id, r, digest,
-                                                writer.size), status=201)
+                                                size), status=201)
 
 
 @routes.get("/v1/blobs/{digest}")

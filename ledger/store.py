@@ -307,6 +307,15 @@ class LedgerStore:
             if self._has_submission(s, sub.run_id, sub.round, sub.worker):
                 raise Conflict("this worker already submitted for this round")
 
+    def recorded_receipt(self, s: Session, signed: Signed[Submission]) -> Signed[Receipt] | None:
+        """The receipt of this exact submission if it is already recorded, so that a retry
+        whose reply was lost (a dropped link, a ledger restart) gets the same receipt."""
+        sub = signed.message
+        row = s.execute(select(t.Submission.receipt).where(
+            t.Submission.run_id == sub.run_id, t.Submission.round == sub.round,
+            t.Submission.worker == sub.worker, t.Submission.digest == signed.digest)).first()
+        return None if row is None else open_signed(decode_canonical(row.receipt), Receipt)
+
     def _has_submission(self, s: Session, run_id: str, r: int, worker: str) -> bool:
         return s.execute(select(t.Submission.id).where(
             t.Submission.run_id == run_id, t.Submission.round == r,

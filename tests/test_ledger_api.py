@@ -63,7 +63,7 @@ BREAKERS = {
     "wrong_codec": dict(overrides={"codec": {"name": "int8", "params": {}}}),
     "oversized": dict(payload=b"x" * 5000),
     "payload_mismatch": dict(overrides={"payload_hash": "8" * 64}),
-    "duplicate": dict(twice=True),
+    "duplicate": dict(twice=True, overrides={"loss_last": 1.5}),  # another update, same round
 }
 STATUS = {"bad_signature": 401, "unknown_worker": 403, "oversized": 413, "duplicate": 409,
           "not_found": 404}

@@ -102,15 +102,23 @@ def test_invalid_writes_unsigned_wrongly_signed_replayed_or_unregistered(tmp_pat
             got = await submit_wire(wire)
             assert got[0] == status and got[1]["reason"] == reason, got
         assert counts(store) == before
-        assert (await api.submit(sub, PAYLOAD))[0] == 201
+        first = await api.submit(sub, PAYLOAD)
+        assert first[0] == 201
         after = counts(store)
-        got = await api.submit(sub, PAYLOAD)
+        got = await api.submit(sub, PAYLOAD)  # a retry whose reply was lost: same receipt
+        assert got == (200, first[1])
+        other_update = make_submission(run, worker, PAYLOAD, loss_last=1.5)
+        got = await api.submit(other_update, PAYLOAD)
         assert got[0] == 409 and got[1]["reason"] == "duplicate"
         assert counts(store) == after
         late = make_submission(run, other, PAYLOAD + b"!")
         assert (await api.submit(late, PAYLOAD + b"!"))[0] == 201  # closes the round
-        got = await api.submit(sub, PAYLOAD)  # a replay after the close
+        closed = counts(store)
+        got = await api.submit(sub, PAYLOAD)  # a replay after the close: its receipt, no row
+        assert got == (200, first[1]) and counts(store) == closed
+        got = await api.submit(other_update, PAYLOAD)  # a new one after the close
         assert got[0] == 400 and got[1]["reason"] == "wrong_round"
+        assert counts(store) == closed
 
         # Beacon shares (after close): only the run's validators; a replay changes nothing.
         share = beacon_share(run, validator, 0).to_wire()

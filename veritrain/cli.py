@@ -83,11 +83,15 @@ def cmd_run_create(args: argparse.Namespace) -> int:
 def cmd_ledger_serve(args: argparse.Namespace) -> int:
     from veritrain.ledger.serve import default_db_url, serve
     from veritrain.ledger.server import LedgerConfig
+    from veritrain.ledger.uploads import UploadPolicy
 
     data_dir = Path(args.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    config = LedgerConfig(data_dir=data_dir, db_url=args.db or default_db_url(data_dir),
-                          tick_seconds=args.tick)
+    config = LedgerConfig(
+        data_dir=data_dir, db_url=args.db or default_db_url(data_dir), tick_seconds=args.tick,
+        ip_rate=args.ip_rate, ip_burst=args.ip_burst, key_rate=args.key_rate,
+        key_burst=args.key_burst,
+        uploads=UploadPolicy(idle_seconds=args.upload_idle, min_bytes_per_s=args.upload_min_rate))
     asyncio.run(serve(config, args.host, args.port,
                       Path(args.ready_file) if args.ready_file else None))
     return 0
@@ -205,6 +209,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8470, help="0 lets the OS choose")
     s.add_argument("--tick", type=float, default=0.2, help="seconds between deadline checks")
     s.add_argument("--ready-file", help="write {url, ledger_key} here once listening")
+    s.add_argument("--ip-rate", type=float, default=200.0,
+                   help="requests per second per client address (0: no limit)")
+    s.add_argument("--ip-burst", type=float, default=400.0)
+    s.add_argument("--key-rate", type=float, default=5.0,
+                   help="signed writes per second per key (0: no limit)")
+    s.add_argument("--key-burst", type=float, default=20.0)
+    s.add_argument("--upload-idle", type=float, default=30.0,
+                   help="seconds a request body may pause before it is cut off")
+    s.add_argument("--upload-min-rate", type=float, default=16384.0,
+                   help="bytes per second a body must average after a 10 s grace")
     s.set_defaults(func=cmd_ledger_serve)
 
     for name, func, helptext in (
