@@ -14,23 +14,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fakes import FakeRun, make_fake_run, make_submission
-from veritrain.ledger.scoring import compute_scores, split_rewards
 from veritrain.ledger.store import LedgerStore
-from veritrain.protocol.beacon import beacon_root, beacon_seed_of
+from veritrain.protocol.beacon import beacon_seed_of
 from veritrain.protocol.identity import Identity
-from veritrain.protocol.messages import (
-    BeaconShare,
-    CertifiedState,
-    Registration,
-    RoundResult,
-    digest_of,
-    sign,
-)
 from veritrain.protocol.rules import expected_samples
 
-#: Kinds of worker: what the fake validators decide about their submissions.
-HONEST, FREE_RIDER, COPIER, SPOT_FAIL = "honest", "free_rider", "copier", "spot_fail"
-REJECT_REASON = {FREE_RIDER: "norm_outlier", COPIER: "duplicate", SPOT_FAIL: "spot_check_failed"}
+from veritrain.synthetic import (  # noqa: F401 (re-exported for the ledger tests)
+    COPIER,
+    FREE_RIDER,
+    HONEST,
+    REJECT_REASON,
+    SPOT_FAIL,
+    beacon_share,
+    build_results,
+    registration,
+)
 
 
 @dataclass
@@ -43,61 +41,13 @@ class Played:
 
 
 def register(store: LedgerStore, run: FakeRun, worker: Identity) -> None:
-    reg = Registration(run_id=run.spec.run_id, round=0, participant=worker.public_key.hex(),
-                       role="worker", created_at=1)
-    store.register(sign(worker, reg))
+    store.register(registration(run, worker))
 
 
 def _blob(store: LedgerStore, data: bytes, kind: str, run_id: str) -> str:
     digest = hashlib.sha256(data).hexdigest()
     store.record_blob(digest, len(data), kind, run_id)
     return digest
-
-
-def _verdict(worker: str, digest: str, kind: str) -> dict[str, Any]:
-    rejected = kind != HONEST
-    return {"worker": worker, "submission_digest": digest,
-            "status": "rejected" if rejected else "accepted",
-            "reason": REJECT_REASON.get(kind, ""), "detail": f"fake verdict for a {kind}",
-            "spot_checked": kind == SPOT_FAIL, "distance": 0.5 if kind == SPOT_FAIL else None,
-            "checks": []}
-
-
-def build_results(run: FakeRun, r: int, base: str, seed: str, subs: dict[str, str],
-                  kinds: dict[str, str], quality: dict[str, float] | None = None
-                  ) -> tuple[list[Any], dict[str, bytes]]:
-    """The quorum's signed, BLS-attested results for round ``r`` and the blobs they name
-    (multipart part name -> bytes)."""
-    spec = run.spec
-    workers = sorted(subs)
-    verdicts = [_verdict(w, subs[w], kinds[w]) for w in workers]
-    samples = {w: expected_samples(spec) if kinds[w] == HONEST else 0 for w in workers}
-    q = {w: (quality or {}).get(w, 1.0) for w in workers}
-    scores_map = compute_scores(samples, q)
-    rewards = split_rewards(scores_map, spec.rewards["per_round"])
-    scores = [{"worker": w, "samples": samples[w], "quality": q[w] if samples[w] else 0.0,
-               "score": scores_map[w], "reward": rewards[w]} for w in workers]
-    blobs = {name: f"{name} {spec.run_id} {r + 1}".encode()
-             for name in ("model", "outer_state", "update")}
-    digests = {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}
-    fields = {"run_id": spec.run_id, "round": r + 1, "model_hash": digests["model"],
-              "outer_state_hash": digests["outer_state"], "update_hash": digests["update"],
-              "verdicts_hash": digest_of(verdicts), "scores_hash": digest_of(scores),
-              "eval_loss": 3.0 - 0.25 * r}
-    cert = CertifiedState.from_body({k: v for k, v in fields.items()
-                                     if k in CertifiedState.SCHEMA})
-    signed = [sign(v, RoundResult(
-        run_id=spec.run_id, round=r, validator=v.public_key.hex(), base_model_hash=base,
-        beacon_seed=seed, verdicts=verdicts, scores=scores, certified=cert.to_body(),
-        attestation=v.sign_bls(cert.signing_root()).hex())) for v in run.validators[: spec.quorum]]
-    return signed, blobs
-
-
-def beacon_share(run: FakeRun, validator: Identity, r: int) -> Any:
-    spec = run.spec
-    return sign(validator, BeaconShare(run_id=spec.run_id, round=r,
-                                       validator=validator.public_key.hex(),
-                                       share=validator.sign_bls(beacon_root(spec.run_id, r)).hex()))
 
 
 def finalize_round(store: LedgerStore, run: FakeRun, r: int, base: str,
