@@ -198,7 +198,8 @@ class TrainingState:
             raise PayloadError(f"state step {step} is not an integer in [0, {MAX_STATE_STEP})")
         if bool((exp_avg_sq < 0).any()):
             raise PayloadError("state exp_avg_sq holds negative values")
-        return cls(params.clone(), exp_avg.clone(), exp_avg_sq.clone(), int(step))
+        # Views of the freshly decoded vector (no one else holds it): no copies needed.
+        return cls(params, exp_avg, exp_avg_sq, int(step))
 
 
 def state_distance(a: TrainingState, b: TrainingState) -> float:
@@ -386,7 +387,24 @@ def train_segment(
     """
     dev = torch.device(device)
     with deterministic_mode(dev, deterministic):
-        return _Segment(task, dataset, cfg, dev).run(start, batch_indices, [], None)
+        return _segment_runner(task, dataset, cfg, dev).run(start, batch_indices, [], None)
+
+
+_RUNNERS: list[_Segment] = []
+
+
+def _segment_runner(task: Task, dataset: Dataset, cfg: InnerConfig,
+                    device: torch.device) -> _Segment:
+    """A validator checks many segments of one run: reuse the last model built for the
+    same task, dataset, settings and device (a segment reloads every parameter and the
+    optimizer state from its start state, so reuse cannot change a result)."""
+    for runner in _RUNNERS:
+        if (runner.task is task and runner.dataset is dataset and runner.cfg == cfg
+                and runner.device == device):
+            return runner
+    runner = _Segment(task, dataset, cfg, device)
+    _RUNNERS[:] = [runner, *_RUNNERS[:1]]
+    return runner
 
 
 def local_train(
