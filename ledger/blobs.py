@@ -67,6 +67,15 @@ class BlobStore:
         self.root = root
         self.tmp_dir = root / "tmp"
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self.discard_partial_uploads()
+
+    def discard_partial_uploads(self) -> int:
+        """Remove temp files left by uploads cut short by a crash (one ledger process owns
+        the directory, so at start-up every temp file is stale); returns how many."""
+        stale = list(self.tmp_dir.glob("up-*"))
+        for path in stale:
+            path.unlink(missing_ok=True)
+        return len(stale)
 
     def path_for(self, digest: str) -> Path:
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):

@@ -65,13 +65,18 @@ class BodyClock:
         return min(p.idle_seconds, floor_deadline - self._clock())
 
     async def wait(self, awaitable: Awaitable[T]) -> T:
-        """Await one read of the body, or raise :class:`UploadTimeout` when it is too slow."""
+        """Await one read of the body; :class:`UploadTimeout` when it is too slow,
+        :class:`EncodingError` when the body does not parse."""
         left = self.time_left()
         try:
             if left <= 0:
                 raise TimeoutError
             async with asyncio.timeout(left):
                 return await awaitable
+        except RejectedInput:
+            raise
+        except ValueError as exc:  # aiohttp's multipart parser refuses a broken body so
+            raise EncodingError(f"malformed request body: {exc}") from None
         except TimeoutError:
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()

@@ -119,3 +119,16 @@ def test_invalid_slow_upload_times_out_and_changes_nothing(tmp_path: Path, trick
         assert (await api.submit(make_submission(run, other, PAYLOAD), PAYLOAD))[0] == 201
 
     run_api(tmp_path, scenario, uploads=POLICY)
+
+
+def test_partial_uploads_left_by_a_crash_are_discarded_at_start(tmp_path: Path):
+    from veritrain.ledger.blobs import BlobStore
+
+    store = BlobStore(tmp_path / "blobs")
+    kept = store.put(b"a finished blob")
+    writer = store.writer(1 << 20)
+    writer.write(b"half of an upload")  # the process dies here: the temp file stays
+    assert len(list(store.tmp_dir.iterdir())) == 1
+    again = BlobStore(tmp_path / "blobs")
+    assert list(again.tmp_dir.iterdir()) == []
+    assert again.read(kept) == b"a finished blob"

@@ -91,7 +91,8 @@ def cmd_ledger_serve(args: argparse.Namespace) -> int:
         data_dir=data_dir, db_url=args.db or default_db_url(data_dir), tick_seconds=args.tick,
         ip_rate=args.ip_rate, ip_burst=args.ip_burst, key_rate=args.key_rate,
         key_burst=args.key_burst,
-        uploads=UploadPolicy(idle_seconds=args.upload_idle, min_bytes_per_s=args.upload_min_rate))
+        uploads=UploadPolicy(idle_seconds=args.upload_idle, min_bytes_per_s=args.upload_min_rate),
+        keepalive_seconds=args.keepalive)
     asyncio.run(serve(config, args.host, args.port,
                       Path(args.ready_file) if args.ready_file else None))
     return 0
@@ -219,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request body may pause before it is cut off")
     s.add_argument("--upload-min-rate", type=float, default=16384.0,
                    help="bytes per second a body must average after a 10 s grace")
+    s.add_argument("--keepalive", type=float, default=30.0,
+                   help="seconds an idle connection, or one whose headers never finish, is kept")
     s.set_defaults(func=cmd_ledger_serve)
 
     for name, func, helptext in (
