@@ -89,8 +89,10 @@ def main() -> int:
         if crash_lat:
             print(f"{'submit latency max (crash round, retries)':<44}"
                   f"{f'{crash_lat[-1]:.0f} ms':>10}")
-        print(f"{'ledger peak RSS / bytes uploaded per round':<44}"
-              f"{f'{_mib(load.ledger_peak_rss_bytes)} / {_mib(per_round)}':>10}")
+        print(f"{'ledger RSS at start / peak under load':<44}"
+              f"{f'{_mib(load.ledger_start_rss_bytes)} / {_mib(load.ledger_peak_rss_bytes)}':>10}")
+        print(f"{'bytes uploaded per round / in all':<44}"
+              f"{f'{_mib(per_round)} / {_mib(load.uploaded_bytes)}':>10}")
         print(f"{'audit of the whole chain':<44}{'ok' if load.audit_ok else load.audit_problem:>10}")
         print(f"{'seconds':<44}{load.seconds:>10.1f}")
 

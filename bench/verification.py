@@ -6,7 +6,7 @@ accepts when ``state_distance(recomputed, claimed)`` (the largest relative L2
 distance over params, exp_avg and exp_avg_sq) is at most the run's tolerance and,
 for the last segment, the payload re-derives byte for byte from the revealed end
 state. This benchmark measures, at the ``bench`` preset (charlm, 1.03M params,
-H = 30, k = 1, so S = 30, c = 1.5):
+H = 30, k = 1, so S = 30, c = 1.15):
 
 * **honest divergence**: the distance between a worker's revealed state and the
   validator's recomputation when they differ only in torch thread count (both

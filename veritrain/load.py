@@ -79,6 +79,7 @@ class LoadReport:
     latencies_ms: list[float] = field(default_factory=list)
     crash_round_latencies_ms: list[float] = field(default_factory=list)
     uploaded_bytes: int = 0
+    ledger_start_rss_bytes: int | None = None
     ledger_peak_rss_bytes: int | None = None
     audit_ok: bool = False
     audit_problem: str | None = None
@@ -116,9 +117,12 @@ class LedgerProcess:
         self.port = free_port()
         self.url = ""
         self._peak_rss = 0
+        self.start_rss: int | None = None  # resident memory once listening, before any load
 
     def start(self) -> str:
         self.url = self.procs.start_ledger(self.data_dir, port=self.port, extra=self.extra)
+        if self.start_rss is None:
+            self.start_rss = self.peak_rss_bytes()
         return self.url
 
     def peak_rss_bytes(self) -> int | None:
@@ -281,6 +285,7 @@ async def drive_load(ledger: LedgerProcess, plan: LoadPlan,
         audit = verify_events(await fetch_events(admin, RUN_ID), ledger_key)
         report.audit_ok, report.audit_problem = audit.ok, audit.problem
         report.ledger_peak_rss_bytes = ledger.peak_rss_bytes()
+        report.ledger_start_rss_bytes = ledger.start_rss
     finally:
         for c in (admin, *clients):
             await c.__aexit__(None, None, None)
