@@ -11,15 +11,20 @@ the swarm:
   ``free_rider`` (noise of a plausible norm, no training);
 * omniscient (see the round's honest updates, do not train): ``alie``, ``ipm``,
   ``gaussian``, ``zeros`` (a free rider sending nothing), ``mimic``,
-  ``optimal_alie`` and ``optimal_ipm`` (line-searched against the run's aggregator);
+  ``optimal_alie`` and ``optimal_ipm`` (line-searched against the run's aggregator,
+  and, where the probe filter is on, against that filter evaluated on a probe batch
+  of the attacker's own: the largest scale that still passes);
 
-against mean, CenteredClip (the default: tau_rel 1, 10 iterations),
-CenteredClip with bucketing (bucket size 2), Krum, trimmed mean, coordinate-wise
-median and geometric median, at f = 3 and f = 7.  Krum and trimmed mean get
+against mean, CenteredClip (tau_rel 1, 10 iterations), CenteredClip with
+bucketing (bucket size 2), Krum, trimmed mean, coordinate-wise median, geometric
+median, and ``cc_probe``: the run default, the validator's probe filter
+(``validators/probe.py``: updates whose implied model gains far less probe loss
+than the round's median are rejected) followed by CenteredClip, at f = 3 and
+f = 7.  Krum and trimmed mean get
 ``f`` as their parameter; Krum needs n > 2f + 2, so at f = 7 of 16 it runs with
 f = 6, the largest it accepts.
 
-The aggregator is isolated: spot checks are off (``challenges_per_worker`` 0, no
+Every other row isolates the aggregator: spot checks are off (``challenges_per_worker`` 0, no
 forced last segment, no full checks) and the validator's norm filter is off,
 since otherwise the validator would simply reject or ban most attackers; the
 codec is ``fp32`` so compression does not confound.  The spec caps
@@ -27,7 +32,8 @@ codec is ``fp32`` so compression does not confound.  The spec caps
 rejects an all-zero update at any factor, so besides setting 1e6 each worker
 process replaces ``validators.round.norm_outliers`` by a filter that flags no
 one (otherwise ``zeros``, and ``optimal_ipm`` when its line search lands on 0,
-would be rejected rather than aggregated).
+would be rejected rather than aggregated). The probe filter is off in every row
+but ``cc_probe``; the last line reports ``cc_probe``, the pipeline a run uses.
 
 The reported number is the relative final eval loss ``final / clean - 1``, with
 ``clean`` the run of 16 honest workers under the plain mean.  Each aggregator's
@@ -87,10 +93,13 @@ AGGREGATORS: dict[str, tuple[str, dict[str, Any]]] = {
     "trimmed_mean": ("trimmed_mean", {"f": None}),
     "median": ("median", {}),
     "geometric_median": ("geometric_median", {}),
+    "cc_probe": ("centered_clip", {"tau_rel": 1.0, "iterations": 10}),
 }
-DEFAULT_AGGREGATOR = "centered_clip"
-QUICK_ATTACKS: tuple[str, ...] = ("sign_flip", "zeros", "ipm", "alie")
-QUICK_AGGREGATORS: tuple[str, ...] = ("mean", "centered_clip")
+#: Rows that keep the validator's probe filter on (validators/probe.py): the run default.
+PROBED: frozenset[str] = frozenset({"cc_probe"})
+DEFAULT_AGGREGATOR = "cc_probe"
+QUICK_ATTACKS: tuple[str, ...] = ("sign_flip", "label_flip", "zeros", "ipm", "optimal_ipm")
+QUICK_AGGREGATORS: tuple[str, ...] = ("mean", "centered_clip", "cc_probe")
 SEED = "robustness"
 
 
@@ -166,8 +175,9 @@ def estimated_cost(cell: Cell, n: int) -> float:
 
 
 def bench_settings(spec: Mapping[str, Any], *, task_preset: str, steps: int, batch: int,
-                   rounds: int) -> dict[str, Any]:
-    """Run settings of one cell: the task preset, verification off, fp32, ``spec``."""
+                   rounds: int, probe: bool = False) -> dict[str, Any]:
+    """Run settings of one cell: the task preset, verification off (but for the probe
+    filter when ``probe``), fp32, ``spec``."""
     from veritrain.protocol.presets import run_preset
 
     settings = run_preset(task_preset)
@@ -180,6 +190,8 @@ def bench_settings(spec: Mapping[str, Any], *, task_preset: str, steps: int, bat
     settings["schedule"]["max_rounds"] = rounds
     settings["verification"].update(challenges_per_worker=0.0, always_last=False,
                                     spot_checks_per_round=0, norm_factor=1e6)
+    if not probe:
+        settings["verification"]["probe_factor"] = 0.0
     return settings
 
 
@@ -289,7 +301,8 @@ def make_jobs(cells: Iterable[Cell], *, n: int, rounds: int, task_preset: str, s
             "key": cell.key, "aggregator": cell.aggregator,
             "attack": cell.attack, "f": cell.f, "spec": spec,
             "settings": bench_settings(spec, task_preset=task_preset, steps=steps,
-                                       batch=batch, rounds=rounds),
+                                       batch=batch, rounds=rounds,
+                                       probe=cell.aggregator in PROBED),
             "n_workers": n, "rounds": rounds, "threads": threads,
             "cost": estimated_cost(cell, n) * rounds,
         })
@@ -439,7 +452,9 @@ def write_heatmap(table: Mapping[str, Mapping[str, float]], attacks: Sequence[st
 
 
 def summary_line(table: Mapping[str, Mapping[str, float]], attacks: Sequence[str]) -> str:
-    cc = table.get(DEFAULT_AGGREGATOR, {})
+    """The run default (probe filter + CenteredClip; CenteredClip alone when that row was
+    not run) against the plain mean."""
+    cc = table.get(DEFAULT_AGGREGATOR) or table.get("centered_clip", {})
     mean = table.get("mean", {})
     return (f"robustness: centered_clip_worst_vs_clean f3={fmt_pct(worst(cc, 3, attacks))} "
             f"f7={fmt_pct(worst(cc, 7, attacks))} "

@@ -157,6 +157,8 @@ VERIFICATION = f.record(
         "norm_factor": f.number(1.0, 1e6),
         "ban_rounds": f.integer(0, MAX_ROUND),
         "vesting_rounds": f.integer(0, MAX_ROUND),
+        "probe_examples": f.integer(0, 1 << 16),
+        "probe_factor": f.number(0.0, 1e6),
     }
 )
 LIMITS = f.record({"max_payload_bytes": f.integer(1, 1 << 34)})

@@ -38,7 +38,11 @@ def _preset(task: str, *, steps: int, batch: int, lr: float, k: int, round_secon
         "verification": {"spot_checks_per_round": 0, "challenges_per_worker": challenges,
                          "always_last": always_last, "reveal_seconds": reveal_seconds,
                          "tolerance": tolerance, "norm_factor": 10.0, "ban_rounds": ban_rounds,
-                         "vesting_rounds": vesting_rounds},
+                         "vesting_rounds": vesting_rounds,
+                         # Probe filter (validators/probe.py): drop an update whose implied
+                         # model gains far less loss on 16 beacon-drawn windows than the
+                         # round's median (5 MADs and half the median below it).
+                         "probe_examples": 16, "probe_factor": 5.0},
     }
 
 

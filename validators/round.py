@@ -1,6 +1,6 @@
 """Processing one closed round: the validator's sans-IO core.
 
-    admit -> decode -> segment checks -> norm filter -> robust aggregate
+    admit -> decode -> segment checks -> norm filter -> probe filter -> robust aggregate
           -> compress the aggregate (error feedback) -> outer Nesterov step on what
           was sent -> eval loss -> verdicts and scores
 
@@ -26,6 +26,7 @@ from veritrain.protocol.outer import OuterState, encode_update, outer_step
 from veritrain.protocol.runtime import RunContext
 
 from .checks import Candidate, admit, norm_outliers
+from .probe import loss_regressions, probe_gains, probe_rows
 from .segments import check_segment
 
 
@@ -148,6 +149,16 @@ def process_round(
                spot_checked=bool(checks.get(worker)), distance=distances.get(worker),
                checks=checks.get(worker, []))
         del decoded[worker]
+
+    probe = spec.verification
+    if probe["probe_examples"] > 0 and probe["probe_factor"] > 0:
+        rows = probe_rows(run, beacon_seed, round_index, probe["probe_examples"])
+        gains = probe_gains(run, base_flat, decoded, rows, device=device)
+        for worker, detail in loss_regressions(gains, probe["probe_factor"]).items():
+            reject(by_worker[worker], "loss_regression", detail,
+                   spot_checked=bool(checks.get(worker)), distance=distances.get(worker),
+                   checks=checks.get(worker, []))
+            del decoded[worker]
 
     accepted = sorted(decoded)
     if accepted:

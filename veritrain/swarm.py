@@ -33,6 +33,7 @@ from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import sha256_hex
 from veritrain.protocol.worker import prepare_submission
 from veritrain.validators.checks import Candidate
+from veritrain.validators.probe import loss_regressions, probe_gains, probe_rows
 from veritrain.validators.round import RoundOutcome, process_round, resolve_aggregator_params
 
 WORKER_SIDE_ATTACKS = ("free_rider", "sign_flip", "label_flip")
@@ -115,9 +116,29 @@ class Swarm:
             return A.mimic(honest, f)
         params = resolve_aggregator_params(self.run.spec.aggregator["params"], honest)
         agg = build_aggregator(self.run.spec.aggregator["name"], params, seed=r)
+        v = self.run.spec.verification
+        if v["probe_examples"] > 0 and v["probe_factor"] > 0:
+            agg = self._probe_aware(agg, r)
         if attack == "optimal_alie":
             return A.optimal_alie(honest, f, agg)
         return A.optimal_ipm(honest, f, agg)
+
+    def _probe_aware(self, agg: Callable[[torch.Tensor], torch.Tensor], r: int
+                     ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The validator's pipeline as an adaptive attacker can model it: the probe filter
+        on a batch of its own (the public training data; the round's probe batch comes from
+        a beacon it cannot know), then the aggregator. The optimal attacks line-search
+        against this, so they find the largest scale that still passes the filter."""
+        v = self.run.spec.verification
+        rows = probe_rows(self.run, b"an attacker's own probe batch", r, v["probe_examples"])
+
+        def filtered(updates: torch.Tensor) -> torch.Tensor:
+            gains = probe_gains(self.run, self.base, {str(i): u for i, u in enumerate(updates)},
+                                rows, device=self.device)
+            dropped = loss_regressions(gains, v["probe_factor"])
+            return agg(updates[[i for i in range(len(updates)) if str(i) not in dropped]])
+
+        return filtered
 
     def step(self, r: int) -> RoundOutcome:
         run = self.run

@@ -1,0 +1,69 @@
+"""The probe filter: updates that clearly worsen the model on the round's probe batch go."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from veritrain.protocol.identity import Identity
+from veritrain.protocol.organiser import build_run
+from veritrain.protocol.presets import run_preset
+from veritrain.protocol.runtime import RunContext
+from veritrain.validators.probe import loss_regressions, probe_gains, probe_rows
+
+
+def test_far_negative_gains_are_rejected_and_the_honest_spread_is_kept():
+    gains = {"h1": 0.30, "h2": 0.28, "h3": 0.31, "h4": 0.25, "h5": 0.29, "b1": -0.5, "b2": -0.02,
+             "b3": 0.05}
+    assert set(loss_regressions(gains, 5.0)) == {"b1", "b2", "b3"}
+    # Late in training honest gains straddle zero: a small loss inside the spread stays.
+    late = {"h1": 0.004, "h2": -0.002, "h3": 0.001, "h4": 0.003, "h5": -0.001}
+    assert loss_regressions(late, 5.0) == {}
+    # All improve alike (tiny MAD): one that improves a little less still stays.
+    assert loss_regressions({"a": 0.300, "b": 0.301, "c": 0.299, "d": 0.2}, 5.0) == {}
+
+
+def test_too_few_updates_or_factor_zero_reject_nothing():
+    assert loss_regressions({"a": 0.3, "b": -5.0}, 5.0) == {}
+    assert loss_regressions({"a": 0.3, "b": 0.3, "c": 0.3, "d": -5.0}, 0.0) == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-10, 10, allow_nan=False), min_size=3, max_size=40),
+       st.floats(0.5, 20))
+def test_rule_rejects_only_below_the_median_and_never_a_majority(values, factor):
+    import statistics
+
+    gains = {f"w{i}": v for i, v in enumerate(values)}
+    out = loss_regressions(gains, factor)
+    assert all(gains[w] < statistics.median(values) for w in out)
+    assert len(out) <= (len(gains) - 1) // 2 + (len(gains) % 2 == 0)  # at most below the median
+    # Scale-free: gains in other units reject the same workers.
+    assert loss_regressions({w: 3.0 * v for w, v in gains.items()}, factor).keys() == out.keys()
+
+
+def _tiny_run() -> RunContext:
+    settings = run_preset("tiny")
+    bundle = build_run(Identity.generate("organiser"), "probe-run", settings,
+                       [Identity.generate("validator").public])
+    return RunContext.build(bundle.signed.message, bundle.dataset)
+
+
+def test_gains_separate_trained_updates_from_flipped_and_noise():
+    run = _tiny_run()
+    base = run.genesis_flat()
+    workers = [Identity.generate("worker").public_key.hex() for _ in range(4)]
+    honest = {w: run.train(base, 0, w).delta for w in workers}
+    mean = torch.stack(list(honest.values())).mean(0)
+    updates = dict(honest)
+    updates["flip"] = -mean
+    updates["noise"] = torch.randn_like(mean) * float(mean.norm()) / mean.numel() ** 0.5
+    rows = probe_rows(run, b"beacon seed", 0, 64)
+    assert torch.equal(rows, probe_rows(run, b"beacon seed", 0, 64))
+    assert not torch.equal(rows, probe_rows(run, b"beacon seed", 1, 64))
+    gains = probe_gains(run, base, updates, rows)
+    assert all(gains[w] > 0 for w in workers), gains
+    # At genesis even the flipped update lowers the loss (the random model is far from
+    # anything), but by much less than the trained ones.
+    assert gains["flip"] < 0.6 * min(gains[w] for w in workers) and gains["noise"] < 0.1
+    assert set(loss_regressions(gains, 5.0)) == {"flip", "noise"}
