@@ -12,9 +12,14 @@ looks like a pseudo-gradient (Gaussian with a log-normal scale per block of
   ||sum(decoded) - sum(true)|| / ||sum(true)|| (equals ||e|| / ||sum(true)||);
 * ``noef_err``: the same without error feedback, for contrast.
 
-End-to-end part (``--end-to-end``): eval loss of a charlm training run with
-each codec versus uncompressed and bytes versus data-parallel; it needs
-``veritrain.protocol.swarm`` and is skipped with a note until that exists.
+End-to-end part (``--end-to-end``): the in-process swarm (the nodes' code path:
+workers encode with error feedback, the validator decodes, aggregates and
+broadcasts the compressed aggregate with its own residual) trains the charlm
+``--preset`` (default ``bench``, 1.03M parameters, H = 30) with ``--workers``
+workers for ``--rounds`` rounds with each codec and with fp32 payloads, same
+seeds; reported: final eval loss against fp32, bytes per worker per round up
+(payload) and down (the broadcast aggregate), and both against data-parallel
+training of the same samples (float32 gradients every inner step).
 
 The last line is the one the issue tracks::
 
@@ -26,8 +31,6 @@ Run: ``.venv/bin/python bench/compression.py [--numel N] [--repeats R] [--steps 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -150,29 +153,84 @@ def run_microbench(
     return rows
 
 
-def run_end_to_end(codecs: Sequence[tuple[str, Mapping[str, object]]]) -> dict[str, Any] | None:
-    """End-to-end hook: charlm eval loss per codec vs uncompressed, bytes vs data-parallel.
+#: Codecs trained end to end (``--end-to-end``), beside the fp32 reference.
+E2E_CODECS: list[tuple[str, str, dict[str, object]]] = [
+    ("int8 block64", "int8", {"block": 64}),
+    ("int4 block64", "int4", {"block": 64}),
+    ("topk 64/4096 1b", "topk", {"chunk": 4096, "k": 64, "value_bits": 1}),
+    ("topk+dct64 64/4096 1b", "topk", {"chunk": 4096, "k": 64, "value_bits": 1, "dct_block": 64}),
+    ("cocktail 1/4 48 1b", "cocktail", {"chunk": 4096, "sample": 4, "k": 48, "value_bits": 1}),
+]
 
-    Wired by the swarm's owner: ``veritrain.protocol.swarm`` is expected to
-    provide ``compression_end_to_end(codecs) -> dict`` returning at least
-    ``loss_vs_uncompressed`` (relative, e.g. 0.012 for +1.2%) and
-    ``bytes_vs_data_parallel`` (e.g. 1/400) for the default codec. Never
-    raises: problems are printed and ``None`` is returned.
-    """
-    if importlib.util.find_spec("veritrain.protocol.swarm") is None:
-        print("end-to-end: skipped, veritrain.protocol.swarm does not exist yet")
-        return None
-    try:
-        swarm = importlib.import_module("veritrain.protocol.swarm")
-        fn = getattr(swarm, "compression_end_to_end", None)
-        if fn is None:
-            print("end-to-end: skipped, veritrain.protocol.swarm has no compression_end_to_end()")
-            return None
-        result = fn(list(codecs))
-        return dict(result) if result is not None else None
-    except Exception as exc:  # a benchmark hook reports, it does not crash the micro figures
-        print(f"end-to-end: failed: {type(exc).__name__}: {exc}")
-        return None
+
+def _e2e_run(job: tuple[str, str, dict[str, object], int, int, str]) -> dict[str, Any]:
+    """One swarm training run with one codec (in a worker process, one torch thread)."""
+    from veritrain.protocol.presets import run_preset
+
+    from veritrain.swarm import Swarm
+
+    label, name, params, workers, rounds, preset = job
+    torch.set_num_threads(1)
+    settings = run_preset(preset)
+    settings["codec"] = {"name": name, "params": dict(params)}
+    # Spot checks cost time and change nothing here: every worker is honest.
+    settings["verification"].update(challenges_per_worker=0.0, always_last=False,
+                                    spot_checks_per_round=0)
+    settings["schedule"]["max_rounds"] = rounds
+    swarm = Swarm(settings, n_workers=workers, seed="compression")
+    up: list[int] = []
+    down: list[int] = []
+
+    def on_round(_: int, outcome: Any) -> None:
+        up.extend(swarm.payload_bytes)
+        down.append(len(outcome.update_payload))
+
+    started = time.monotonic()
+    result = swarm.train(rounds, on_round=on_round)
+    inner = swarm.run.spec.inner
+    rejected = sum(1 for o in result.outcomes for v in o.verdicts if v["status"] == "rejected")
+    return {"label": label, "codec": name, "params": params, "final": result.eval_loss[-1],
+            "losses": result.eval_loss, "up_bytes": statistics.mean(up),
+            "down_bytes": statistics.mean(down), "numel": swarm.run.numel,
+            "steps": inner["steps"], "rejected": rejected,
+            "seconds": time.monotonic() - started}
+
+
+def run_end_to_end(codecs: Sequence[tuple[str, str, Mapping[str, object]]], *,
+                   workers: int = 4, rounds: int = 10, preset: str = "bench",
+                   jobs: int = 2) -> dict[str, Any]:
+    """Eval loss after ``rounds`` rounds of the ``preset`` charlm swarm per codec, against
+    fp32 payloads with the same seeds, and bytes per worker per round in each direction
+    against data-parallel training of the same samples (a float32 gradient sent and an
+    averaged one received at every inner step: ``steps * 4 * numel`` each way)."""
+    import multiprocessing as mp
+
+    todo = [("fp32", "fp32", {}), *[(lbl, n, dict(p)) for lbl, n, p in codecs]]
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        runs = pool.map(_e2e_run, [(lbl, n, p, workers, rounds, preset) for lbl, n, p in todo])
+    reference = runs[0]["final"]
+    for r in runs:
+        dp = r["steps"] * 4 * r["numel"]
+        r["loss_vs_uncompressed"] = r["final"] / reference - 1
+        r["up_ratio"] = 4 * r["numel"] / r["up_bytes"]
+        r["down_ratio"] = 4 * r["numel"] / r["down_bytes"]
+        r["bytes_vs_data_parallel"] = (r["up_bytes"] + r["down_bytes"]) / (2 * dp)
+    return {"runs": runs, "workers": workers, "rounds": rounds, "preset": preset}
+
+
+def format_e2e(e2e: Mapping[str, Any]) -> str:
+    head = (f"{'codec':<24}{'final loss':>11}{'vs fp32':>9}{'up B/round':>12}{'up x':>8}"
+            f"{'down B/round':>14}{'down x':>8}{'vs DP':>9}{'rejected':>9}{'s':>6}")
+    lines = [f"end to end: charlm {e2e['preset']}, {e2e['workers']} workers x {e2e['rounds']} "
+             "rounds, same seeds; x = float32 bytes / bytes sent; vs DP = bytes both ways / "
+             "data-parallel's", head, "-" * len(head)]
+    for r in e2e["runs"]:
+        lines.append(
+            f"{r['label']:<24}{r['final']:>11.4f}{100 * r['loss_vs_uncompressed']:>+8.2f}%"
+            f"{r['up_bytes']:>12.0f}{r['up_ratio']:>7.1f}x{r['down_bytes']:>14.0f}"
+            f"{r['down_ratio']:>7.1f}x{'1/' + format(1 / r['bytes_vs_data_parallel'], '.0f'):>9}"
+            f"{r['rejected']:>9}{r['seconds']:>6.0f}")
+    return "\n".join(lines)
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -195,11 +253,13 @@ def summary_line(rows: Sequence[Mapping[str, Any]], e2e: Mapping[str, Any] | Non
     d = next(r for r in rows if r["default"])
     loss = "n/a"
     dp = "n/a"
+    run = None
     if e2e:
-        if e2e.get("loss_vs_uncompressed") is not None:
-            loss = f"{100 * float(e2e['loss_vs_uncompressed']):+.1f}%"
-        if e2e.get("bytes_vs_data_parallel"):
-            dp = f"1/{1 / float(e2e['bytes_vs_data_parallel']):.0f}"
+        run = next((r for r in e2e["runs"] if r["codec"] == d["codec"]
+                    and dict(r["params"]) == dict(d["params"])), None)
+    if run is not None:
+        loss = f"{100 * float(run['loss_vs_uncompressed']):+.1f}%"
+        dp = f"1/{1 / float(run['bytes_vs_data_parallel']):.0f}"
     return (
         f"compression: default={d['codec']} ratio_vs_fp32={d['ratio']:.1f} "
         f"loss_vs_uncompressed={loss} encode_decode_MBps={d['encdec_MBps']:.0f} "
@@ -215,6 +275,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument(
         "--end-to-end", action="store_true", help="also run the charlm swarm comparison"
     )
+    ap.add_argument("--workers", type=int, default=4, help="end to end: swarm workers")
+    ap.add_argument("--rounds", type=int, default=10, help="end to end: rounds")
+    ap.add_argument("--preset", default="bench", help="end to end: run preset (charlm size)")
+    ap.add_argument("--jobs", type=int, default=2, help="end to end: parallel runs")
     args = ap.parse_args(argv)
     rows = run_microbench(numel=args.numel, repeats=args.repeats, steps=args.steps)
     print(
@@ -225,7 +289,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(format_table(rows))
     e2e = None
     if args.end_to_end:
-        e2e = run_end_to_end([(r["codec"], r["params"]) for r in rows])
+        e2e = run_end_to_end(E2E_CODECS, workers=args.workers, rounds=args.rounds,
+                             preset=args.preset, jobs=args.jobs)
+        print(format_e2e(e2e))
     print(summary_line(rows, e2e))
 
 

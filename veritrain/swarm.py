@@ -94,6 +94,7 @@ class Swarm:
         self.outer = OuterState.zeros(self.run.numel)
         self.error_feedback = [ErrorFeedback(self.run.numel) for _ in self.workers]
         self.banned_until: dict[str, int] = {}
+        self.payload_bytes: list[int] = []  # the last round's payload sizes (what workers sent)
         if "label_flip" in self.byzantine.values():
             classes = int(self.run.task.params.get("n_classes", 256))
             self._flipped = dataclasses.replace(self.run, task=LabelFlipTask(self.run.task,
@@ -186,6 +187,7 @@ class Swarm:
                         run, self.workers[i], r, self.base, self.base_hash,
                         self.error_feedback[i], replace_delta=row.float()))
         candidates = [Candidate(p.signed, p.payload) for p in prepared.values()]
+        self.payload_bytes = [len(p.payload or b"") for p in prepared.values()]
         registered = {w.public_key.hex() for w in self.workers}
         banned = {w for w, until in self.banned_until.items() if until >= r}
         outcome = process_round(run, r, self.base_hash, self.base, self.outer, candidates,
