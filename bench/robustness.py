@@ -509,7 +509,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stem = "robustness-quick" if args.quick else "robustness"
     config = {"workers": n, "f": fs, "rounds": args.rounds, "steps": args.steps,
               "batch": args.batch, "task_preset": args.task_preset, "codec": "fp32",
-              "verification": "off (challenges 0, no spot checks, norm filter off)",
+              "verification": "off (challenges 0, no spot checks, norm filter off; probe "
+                              "filter on only in cc_probe)",
               "byzantine_workers": "the last f", "seed": SEED}
     done: dict[str, Any] = {}
     json_path, partial_path = out / f"{stem}.json", out / f"{stem}.partial.json"
@@ -527,7 +528,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"robustness bench: charlm {args.task_preset}, {n} workers, H={args.steps}, "
           f"batch {args.batch}, {args.rounds} rounds, f in {fs}, {len(attacks)} attacks x "
           f"{len(aggregators)} aggregators = {len(jobs)} runs (incl. clean); codec fp32; "
-          "verification OFF (no spot checks, norm filter off) to isolate the aggregator",
+          "verification OFF (no spot checks, norm filter off; probe filter only in cc_probe) "
+          "to isolate the aggregator",
           flush=True)
     started = time.monotonic()
     results = run_jobs(jobs, processes=max(1, min(args.jobs, len(jobs))), done=done,
@@ -550,7 +552,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "verification OFF in every run (challenges_per_worker 0, always_last false, "
         "spot_checks_per_round 0, norm_factor 1e6 and the validator's norm filter patched "
         "out, as it rejects all-zero updates at any factor) so that the aggregator alone "
-        "faces the attacks; codec fp32",
+        "faces the attacks; the probe filter (validators/probe.py) is off in every row but "
+        "cc_probe, the run default (probe filter + CenteredClip), which the last line "
+        "reports; the optimal attacks line-search against that filter on a batch of their "
+        "own; codec fp32",
         "Byzantine workers: the last f of 16; krum runs with f=min(f, 6) (needs n > 2f+2)",
         timing,
     ]
