@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -20,13 +21,25 @@ from typing import Any
 from veritrain.protocol.client import LedgerClient
 
 from .chain import ChainRow
-from .export import ExportError, read_export_file
-from .verify import AuditResult, verify_log
+from .export import (
+    ExportError,
+    line_ranges,
+    parse_header,
+    read_event_rows,
+    read_export_file,
+    scan_export_chunk,
+    verdict_views,
+)
+from .verify import AuditResult, check_views, fork_pool, verify_log, verify_scans
 
 __all__ = ["AuditResult", "fetch_events", "fetch_verdicts", "format_report", "format_result",
            "run_audit", "verify_events", "verify_export_file"]
 
 PAGE = 1000
+#: Export files from this size on are read on several processes, in ranges of at least
+#: CHUNK_MIN_BYTES (about four per process, so that none waits long for the last one).
+PARALLEL_MIN_BYTES = 8 << 20
+CHUNK_MIN_BYTES = 4 << 20
 
 
 def verify_events(rows: Iterable[ChainRow], ledger_key: bytes, *, full: bool = False,
@@ -38,10 +51,97 @@ def verify_events(rows: Iterable[ChainRow], ledger_key: bytes, *, full: bool = F
 
 def verify_export_file(path: Path, *, full: bool = False,
                        processes: int | None = None) -> AuditResult:
-    """Offline verification of an export file (chain, signatures, certificates, verdicts)."""
+    """Offline verification of an export file (chain, signatures, certificates, verdicts).
+
+    Fast mode reads the file in chunks on several processes (:func:`verify_export_chunks`);
+    a file that is not exactly in the layout the ledger writes is read line by line
+    instead (:func:`read_export_file`), which names the line that is wrong. Full mode
+    checks every signature, which dwarfs the reading, so it reads line by line.
+    """
+    if not full:
+        result = verify_export_chunks(path, processes=processes)
+        if result is not None:
+            return result
     exported = read_export_file(path)
     return verify_log(exported.rows, exported.ledger_key, full=full, views=exported.verdicts,
                       processes=processes)
+
+
+def verify_export_chunks(path: Path, *, processes: int | None = None,
+                         chunk_bytes: int | None = None) -> AuditResult | None:
+    """Fast-mode verification of an export file read in byte ranges, one process each.
+
+    Each range's event lines are scanned where they are read (hashes, links, submission
+    digests, ledger records and round results parsed: :class:`verify.Scanner`); the scans
+    are joined here by checking each range's first row against the row before, then the
+    usual pass and signature checks run (:func:`verify.verify_scans`), on the same pool.
+    Verdict lines are compared byte for byte with the lines the certified results imply
+    (``export_lines`` writes them so); if they differ they are parsed and compared field
+    by field, which names the first row that differs. None when the file is not exactly
+    in the ledger's layout (the caller then reads it with :func:`read_export_file`).
+    ``chunk_bytes`` (tests): cut the file in ranges of about that many bytes.
+    """
+    n_proc = processes if processes is not None else (os.cpu_count() or 1)
+    with path.open("rb") as fh:
+        header_line = fh.readline()
+        size = os.fstat(fh.fileno()).st_size
+    if not header_line:
+        return None
+    _, run_id, ledger_key = parse_header(header_line)
+    parallel = n_proc > 1 and size >= PARALLEL_MIN_BYTES
+    if chunk_bytes is not None:  # ranges of about that size (tests cut small files)
+        ranges = line_ranges(path, len(header_line), size, size // chunk_bytes + 1,
+                             chunk_bytes)
+    else:
+        ranges = line_ranges(path, len(header_line), size, 4 * n_proc if parallel else 1,
+                             CHUNK_MIN_BYTES if parallel else size)
+    pool = fork_pool(n_proc) if parallel else None
+    try:
+        if pool is not None:
+            futures = [pool.submit(scan_export_chunk, str(path), a, b, run_id)
+                       for a, b in ranges]
+            chunks = [f.result() for f in futures]
+        else:
+            chunks = [scan_export_chunk(str(path), a, b, run_id) for a, b in ranges]
+        ends = [c for c in chunks if c.end is not None]
+        if any(c.irregular for c in chunks) or len(ends) != 1 or ends[0].end_stop != size:
+            return None
+        end, scans = ends[0].end, [c.scan for c in chunks]
+        n_verdicts = sum(c.verdict_lines for c in chunks)
+        if end.get("events") != sum(s.n for s in scans) or end.get("verdicts") != n_verdicts:
+            return None
+
+        def load(indices: list[int]) -> dict[int, ChainRow]:
+            """Rows the scans did not keep, read again from their lines."""
+            where, base = {}, 0
+            for scan in scans:
+                where.update(zip(map(base.__add__, scan.subs), scan.sub_offsets,
+                                 strict=True))
+                where.update((base + k, off) for k, off in scan.row_offsets.items())
+                base += scan.n
+            return read_event_rows(path, {i: where[i] for i in indices}, run_id)
+
+        done = verify_scans(scans, None, ledger_key, processes=n_proc, pool=pool, load=load)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    out = done.out
+    with path.open("rb") as fh:
+        served = b"".join(_read_at(fh, a, b) for c in chunks for a, b in c.verdict_spans)
+    if out.ok and served == done.passed.expected_lines():
+        out.view_rows = n_verdicts
+        return out
+    views = verdict_views(served)
+    if views is None:
+        return None
+    if out.ok:
+        check_views(out, done.passed.expected_views(), views)
+    return out
+
+
+def _read_at(fh: Any, start: int, stop: int) -> bytes:
+    fh.seek(start)
+    return fh.read(stop - start)
 
 
 async def fetch_events(client: LedgerClient, run_id: str) -> list[ChainRow]:

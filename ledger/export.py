@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from . import schema as t
 from .chain import ChainRow
 from .lists import VerdictFilter, iter_verdicts
 from .store import NotFound
+from .verify import Columns, Scan, Scanner
 
 FORMAT = "veritrain-ledger-export/1"
 PAGE = 2000
@@ -109,12 +110,11 @@ class ExportedRun:
     header: dict[str, Any]
 
 
-def read_export(lines: Iterable[bytes | str]) -> ExportedRun:
-    """Parse an export; refuses a file without its header or end line."""
-    it = iter(lines)
+def parse_header(line: bytes | str) -> tuple[dict[str, Any], str, bytes]:
+    """The header line: (header, run id, ledger key)."""
     try:
-        header = json.loads(next(it))
-    except (StopIteration, ValueError) as exc:
+        header = json.loads(line)
+    except ValueError as exc:
         raise ExportError("no export header") from exc
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ExportError(f"not a {FORMAT} file")
@@ -123,6 +123,17 @@ def read_export(lines: Iterable[bytes | str]) -> ExportedRun:
         ledger_key = bytes.fromhex(header["ledger_key"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ExportError("header has no ledger key") from exc
+    return header, run_id, ledger_key
+
+
+def read_export(lines: Iterable[bytes | str]) -> ExportedRun:
+    """Parse an export; refuses a file without its header or end line."""
+    it = iter(lines)
+    try:
+        first = next(it)
+    except StopIteration as exc:
+        raise ExportError("no export header") from exc
+    header, run_id, ledger_key = parse_header(first)
     rows: list[ChainRow] = []
     verdicts: list[dict[str, Any]] = []
     end: dict[str, Any] | None = None
@@ -156,3 +167,156 @@ def read_export(lines: Iterable[bytes | str]) -> ExportedRun:
 def read_export_file(path: Path) -> ExportedRun:
     with path.open("rb") as fh:
         return read_export(fh)
+
+
+# ----------------------------------------------------------------------------- chunks
+# The offline audit reads a big export in byte ranges on several processes
+# (veritrain.ledger.audit.verify_export_file); a range that holds anything but
+# well-formed lines in the layout export_lines writes is reported irregular, and
+# the whole file is then read by read_export, which names what is wrong.
+
+VERDICT_START = b'{"type":"verdict",'
+_VERDICT_START = VERDICT_START.decode()
+_DECODER = json.JSONDecoder()
+BLOCK_BYTES = 1 << 24
+
+
+@dataclass
+class ChunkScan:
+    """One byte range of an export: its event lines scanned (:class:`verify.Scan`), where
+    its verdict lines are (not parsed here: the audit compares them byte for byte with
+    the lines the certified results imply), and its end line."""
+
+    scan: Scan
+    verdict_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, stop)
+    verdict_lines: int = 0
+    end: dict[str, Any] | None = None
+    end_stop: int = -1  # the file offset just after the end line
+    irregular: str | None = None
+
+
+def line_ranges(path: Path, start: int, stop: int, parts: int, min_bytes: int
+                ) -> list[tuple[int, int]]:
+    """``[start, stop)`` cut into at most ``parts`` ranges of whole lines."""
+    step = max(min_bytes, -(-(stop - start) // max(1, parts)))
+    cuts = [start]
+    with path.open("rb") as fh:
+        while cuts[-1] + step < stop:
+            fh.seek(cuts[-1] + step)
+            fh.readline()
+            if fh.tell() >= stop:
+                break
+            cuts.append(fh.tell())
+    return list(zip(cuts, cuts[1:] + [stop], strict=True))
+
+
+def _blocks(fh: Any, start: int, stop: int) -> Iterator[tuple[int, bytes]]:
+    """(file offset, bytes) of ``[start, stop)`` in blocks that end at a line end."""
+    fh.seek(start)
+    pos, carry = start, b""
+    while pos < stop:
+        data = fh.read(min(BLOCK_BYTES, stop - pos))
+        if not data:
+            break
+        pos += len(data)
+        buf = carry + data
+        cut = buf.rfind(b"\n") + 1 if pos < stop else len(buf)
+        if cut:
+            yield pos - len(buf), buf[:cut]
+        carry = buf[cut:]
+    if carry:
+        yield pos - len(carry), carry
+
+
+def _event_row(obj: Any, run_id: str) -> ChainRow:
+    """An event line's row, as read_export builds it."""
+    return ChainRow(obj["seq"], run_id, obj["kind"], obj["body"].encode("ascii"),
+                    obj["prev_hash"], obj["hash"], obj["checkpoint"])
+
+
+def scan_export_chunk(path: str, start: int, stop: int, run_id: str) -> ChunkScan:
+    """Scan the lines of ``[start, stop)`` of an export file (run in a worker process)."""
+    scanner = Scanner(render=True)
+    out = ChunkScan(scanner.scan)
+    spans = out.verdict_spans
+    decode = _DECODER.raw_decode
+    with open(path, "rb") as fh:
+        for offset, block in _blocks(fh, start, stop):
+            if not block.isascii():
+                out.irregular = "non-ASCII bytes"
+                return out
+            text = block.decode("ascii")
+            cols = Columns(offset=[], run_id=run_id)
+            add_seq, add_kind, add_body, add_prev, add_hash, add_cp, add_offset = (
+                cols.seq.append, cols.kind.append, cols.body.append, cols.prev_hash.append,
+                cols.hash.append, cols.checkpoint.append, cols.offset.append)  # type: ignore[union-attr]
+            find, starts = text.find, text.startswith
+            p, n = 0, len(text)
+            while p < n:
+                nl = find("\n", p)
+                if nl < 0:
+                    nl = n
+                if out.end is not None:
+                    out.irregular = "data after the end line"
+                    return out
+                if starts(_VERDICT_START, p):
+                    if spans and spans[-1][1] == offset + p:
+                        spans[-1] = (spans[-1][0], offset + nl + 1)
+                    else:
+                        spans.append((offset + p, offset + nl + 1))
+                    out.verdict_lines += 1
+                    p = nl + 1
+                    continue
+                try:  # an event line exactly as read_export takes it
+                    obj, end = decode(text, p)
+                    if end != nl or obj["type"] != "event":
+                        raise ValueError("not an event line")
+                    body = obj["body"].encode("ascii")
+                    add_seq(obj["seq"])
+                    add_kind(obj["kind"])
+                    add_prev(obj["prev_hash"])
+                    add_hash(obj["hash"])
+                    add_cp(obj["checkpoint"])
+                    add_body(body)
+                    add_offset(offset + p)
+                except (ValueError, KeyError, TypeError, AttributeError, UnicodeError):
+                    # The end line, or the file is irregular (the columns are then dropped).
+                    try:
+                        obj = json.loads(text[p:nl])
+                    except ValueError:
+                        obj = None
+                    if not isinstance(obj, dict) or obj.get("type") != "end":
+                        out.irregular = f"unexpected line at byte {offset + p}"
+                        return out
+                    out.end, out.end_stop = obj, offset + nl + 1
+                p = nl + 1
+            scanner.feed(cols)
+    scanner.travelling()
+    return out
+
+
+def read_event_rows(path: Path, offsets: Mapping[int, int], run_id: str) -> dict[int, ChainRow]:
+    """The event rows whose lines start at ``offsets`` (index -> file offset)."""
+    out: dict[int, ChainRow] = {}
+    with path.open("rb") as fh:
+        for i, offset in offsets.items():
+            fh.seek(offset)
+            line = fh.readline().rstrip(b"\n")
+            out[i] = _event_row(json.loads(line), run_id)
+    return out
+
+
+def verdict_views(lines: bytes) -> list[dict[str, Any]] | None:
+    """The verdict rows of verdict lines as read_export keeps them, or None if any line is
+    not one."""
+    views = []
+    for raw in lines.splitlines():
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or obj.get("type") != "verdict":
+            return None
+        del obj["type"]
+        views.append(obj)
+    return views

@@ -1,9 +1,16 @@
 """Verifying a run's ledger log without trusting the ledger (specs/protocol.md, section 9).
 
-One pass over the rows, in order, recomputes every hash and link and checks
-what each row claims against what came before (the run spec's validator set,
-the round's submissions, its certified result). The signatures are then
-checked in bulk:
+The rows are first **scanned** (:class:`Scanner`): every hash and link is
+recomputed and each row is reduced to what the rest of the audit reads (a
+submission to its digest, a ledger record to its parsed body, a round result
+to its opened envelope and the facts derived from its verdicts and scores).
+A scan needs no row before its first one, so an export file is scanned in
+chunks on several processes; the chunks are then joined by checking that each
+one's first row follows the last row of the chunk before (``seq`` and
+``prev_hash``), which is the same check every other row gets inside its
+chunk. One **pass** over the scans, in order, then checks what each row claims
+against what came before (the run spec's validator set, the round's
+submissions, its certified result). The signatures are checked in bulk:
 
 * **fast** (default): the ledger's checkpoint signatures (one per checkpoint,
   each vouching for every row up to it); every run spec, registration, beacon
@@ -28,9 +35,11 @@ import json
 import multiprocessing
 import os
 import re
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass, field
+from array import array
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from veritrain.protocol import bls
@@ -57,12 +66,16 @@ from .chain import GENESIS_HASH, ChainRow, is_valid_checkpoint
 #: Signed kinds opened (signature verified) in every mode: a few rows per round.
 ALWAYS_OPENED = {"run_spec": RunSpec, "beacon_share": BeaconShare,
                  "round_result": RoundResult}
+#: Kinds the scan reduces to less than their row (the pass never reads their bodies).
+REDUCED_KINDS = frozenset({"submission", "receipt"})
 #: Fields of a verdict row served by the API that must equal the certified result.
 VIEW_FIELDS = ("status", "reason", "detail", "spot_checked", "distance", "samples", "quality",
                "score", "reward")
 PARALLEL_MIN_JOBS = 2000
 PARALLEL_MIN_ROWS = 20_000
 MAX_BODY = 1 << 26
+#: Exceptions a malformed row raises in the checks; they name the row, not abort the audit.
+ROW_ERRORS = (RejectedInput, KeyError, TypeError, ValueError)
 
 
 @dataclass
@@ -94,25 +107,47 @@ class Bad(Exception):
 
 
 class BadEarlier(Exception):
-    """An earlier row (``index``) turns out to be wrong once a later row is read."""
+    """An earlier row (``index``, of ``kind``) turns out to be wrong once a later row is read."""
 
-    def __init__(self, index: int, problem: str) -> None:
+    def __init__(self, index: int, kind: str, problem: str) -> None:
         super().__init__(problem)
         self.index = index
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A problem met while deriving a value ahead of the pass (possibly in another process):
+    the pass raises it where it reads the value, so the same row fails with the same text."""
+
+    problem: str
+
+
+def _attempt(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except ROW_ERRORS as exc:
+        return Deferred(str(exc))
+
+
+def _take(value: Any) -> Any:
+    if isinstance(value, Deferred):
+        raise Bad(value.problem)
+    return value
 
 
 # ----------------------------------------------------------------------------- jobs
-# Jobs run in this process or in forked workers that inherit ``_ROWS``.
+# A job reads its row (and, for a receipt, the row before) from the rows it is given.
 
-_ROWS: Sequence[ChainRow] = ()
+RowsAt = Mapping[int, ChainRow] | Sequence[ChainRow]
 
 
 def _open(row: ChainRow, cls: type[Any]) -> Any:
     return open_signed(decode_canonical(row.body, max_bytes=MAX_BODY), cls)
 
 
-def _job_submission(i: int, ctx: dict[str, Any]) -> str | None:
-    row = _ROWS[i]
+def _job_submission(rows: RowsAt, i: int, ctx: dict[str, Any]) -> str | None:
+    row = rows[i]
     signed = _open(row, Submission)
     sub = signed.message
     if signed.signer != sub.worker:
@@ -122,29 +157,29 @@ def _job_submission(i: int, ctx: dict[str, Any]) -> str | None:
     return None
 
 
-def _job_receipt(i: int, ctx: dict[str, Any]) -> str | None:
-    row = _ROWS[i]
+def _job_receipt(rows: RowsAt, i: int, ctx: dict[str, Any]) -> str | None:
+    row = rows[i]
     signed = _open(row, Receipt)
     rec = signed.message
     if signed.signer != ctx["ledger_key"]:
         return "receipt not signed by this ledger"
-    before = _ROWS[i - 1] if i > 0 else None
+    before = rows[i - 1] if i > 0 else None
     if (before is None or before.kind != "submission" or rec.sequence != before.seq
             or rec.submission_digest != hashlib.sha256(before.body).hexdigest()):
         return "receipt does not name the submission row before it"
     return None
 
 
-def _job_registration(i: int, ctx: dict[str, Any]) -> str | None:
-    row = _ROWS[i]
+def _job_registration(rows: RowsAt, i: int, ctx: dict[str, Any]) -> str | None:
+    row = rows[i]
     signed = _open(row, Registration)
     if signed.message.run_id != row.run_id or signed.signer != signed.message.participant:
         return "registration of another run or signed by another key"
     return None
 
 
-def _job_checkpoint(i: int, ctx: dict[str, Any]) -> str | None:
-    row = _ROWS[i]
+def _job_checkpoint(rows: RowsAt, i: int, ctx: dict[str, Any]) -> str | None:
+    row = rows[i]
     assert row.checkpoint is not None
     if not is_valid_checkpoint(bytes.fromhex(ctx["ledger_key"]), row.run_id, row.seq, row.hash,
                                row.checkpoint):
@@ -152,66 +187,74 @@ def _job_checkpoint(i: int, ctx: dict[str, Any]) -> str | None:
     return None
 
 
-def _job_share(i: int, ctx: dict[str, Any]) -> str | None:
-    share = _open(_ROWS[i], BeaconShare).message
+def _job_share(rows: RowsAt, i: int, ctx: dict[str, Any]) -> str | None:
+    share = _open(rows[i], BeaconShare).message
     if not bls.verify(bytes.fromhex(ctx["bls"]), beacon_root(share.run_id, share.round),
                       bytes.fromhex(share.share)):
         return "beacon share (BLS) does not verify"
     return None
 
 
-def _job_certificate(i: int, ctx: dict[str, Any]) -> str | None:
+def _job_certificate(rows: RowsAt, i: int, ctx: dict[str, Any]) -> str | None:
     if not bls.fast_aggregate_verify(ctx["pubs"], ctx["root"], ctx["signature"]):
         return "certificate: aggregate signature does not verify"
     return None
 
 
-def _job_certificate_batch(i: int, ctx: dict[str, Any]) -> str | None:
+def _job_certificate_batch(rows: RowsAt, i: int, ctx: dict[str, Any]) -> str | None:
     if not batch_fast_aggregate_verify(ctx["items"]):
         return "batch"
     return None
 
 
-JOBS: dict[str, Callable[[int, dict[str, Any]], str | None]] = {
+JOBS: dict[str, Callable[[RowsAt, int, dict[str, Any]], str | None]] = {
     "submission": _job_submission, "receipt": _job_receipt, "checkpoint": _job_checkpoint,
     "registration": _job_registration,
     "share": _job_share, "certificate": _job_certificate, "batch": _job_certificate_batch,
 }
 Job = tuple[int, str, dict[str, Any]]  # (row index, job kind, context)
 SLOW_JOBS = frozenset({"batch", "certificate", "share"})
+#: Jobs that read no row: certificates carry what they check in their context.
+ROWLESS_JOBS = frozenset({"batch", "certificate"})
 
 
-def _run_jobs(jobs: Sequence[Job]) -> list[tuple[int, str]]:
+def _run_jobs(jobs: Sequence[Job], rows: RowsAt) -> list[tuple[int, str]]:
     """(row index, problem) for every failing job, in this process."""
     out = []
     for i, kind, ctx in jobs:
         try:
-            problem = JOBS[kind](i, ctx)
-        except (RejectedInput, KeyError, TypeError, ValueError) as exc:
-            problem = f"{_ROWS[i].kind}: {exc}"
+            problem = JOBS[kind](rows, i, ctx)
+        except ROW_ERRORS as exc:
+            problem = f"{rows[i].kind}: {exc}"
         if problem is not None:
             out.append((i, problem))
     return out
 
 
-def _run_all(rows: Sequence[ChainRow], jobs: list[Job], processes: int) -> list[tuple[int, str]]:
-    global _ROWS
-    _ROWS = rows
-    try:
-        if processes <= 1 or len(jobs) < PARALLEL_MIN_JOBS:
-            return _run_jobs(jobs)
-        # Slow BLS jobs one per task and first, then the many cheap ones in chunks.
-        slow = [j for j in jobs if j[1] in SLOW_JOBS]
-        cheap = [j for j in jobs if j[1] not in SLOW_JOBS]
-        size = max(64, len(cheap) // (processes * 8))
-        chunks = [[j] for j in slow] + [cheap[k:k + size] for k in range(0, len(cheap), size)]
-        ctx = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(max_workers=processes, mp_context=ctx) as pool:
-            futures: list[Future[list[tuple[int, str]]]] = [
-                pool.submit(_run_jobs, chunk) for chunk in chunks]
-            return [bad for f in futures for bad in f.result()]
-    finally:
-        _ROWS = ()
+def _rows_for(jobs: Sequence[Job], rows: RowsAt) -> dict[int, ChainRow]:
+    """Just the rows a chunk of jobs reads, to send along with it to a worker process."""
+    need: dict[int, ChainRow] = {}
+    for i, kind, _ in jobs:
+        if kind not in ROWLESS_JOBS:
+            need[i] = rows[i]
+            if kind == "receipt" and i > 0:
+                need[i - 1] = rows[i - 1]
+    return need
+
+
+def _submit_jobs(pool: Executor, jobs: Sequence[Job], rows: RowsAt, processes: int
+                 ) -> list[Future[list[tuple[int, str]]]]:
+    """Slow BLS jobs one per task and first, then the many cheap ones in chunks."""
+    slow = [j for j in jobs if j[1] in SLOW_JOBS]
+    cheap = [j for j in jobs if j[1] not in SLOW_JOBS]
+    size = max(64, len(cheap) // (processes * 4))
+    chunks = [[j] for j in slow] + [cheap[k:k + size] for k in range(0, len(cheap), size)]
+    return [pool.submit(_run_jobs, chunk, _rows_for(chunk, rows)) for chunk in chunks]
+
+
+def fork_pool(processes: int) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(max_workers=processes,
+                               mp_context=multiprocessing.get_context("fork"))
 
 
 # ----------------------------------------------------------------------------- results
@@ -225,15 +268,17 @@ _RESULT_KEYS = frozenset({"attestation", "base_model_hash", "beacon_seed", "cert
 
 @dataclass(frozen=True)
 class ResultView:
-    """The fields of a round result the audit uses (fast mode)."""
+    """The fields of a round result the audit uses (fast mode). ``verdicts`` and ``scores``
+    are None once their :class:`ResultFacts` are derived and the result has travelled
+    between processes without them (they are parsed again from the row when needed)."""
 
     run_id: str
     round: int
     validator: str
     base_model_hash: str
     beacon_seed: str
-    verdicts: list[dict[str, Any]]
-    scores: list[dict[str, Any]]
+    verdicts: list[dict[str, Any]] | None
+    scores: list[dict[str, Any]] | None
     certified: dict[str, Any]
 
 
@@ -268,15 +313,330 @@ def open_result(wire: bytes) -> _Opened:
     if not verify_ed25519(bytes.fromhex(signer),
                           compute_signing_root("round_result", run_id, r, raw), sig):
         raise Bad(f"round_result signature does not verify for {signer}")
-    if not all(isinstance(body[k], list) for k in ("verdicts", "scores")) or not all(
-            isinstance(v, dict) for v in body["verdicts"] + body["scores"]):
+    if not all(isinstance(body[k], list) for k in ("verdicts", "scores")) or not set(
+            map(type, body["verdicts"] + body["scores"])) <= {dict}:  # parsed JSON: exact types
         raise Bad("round result fields")
     return _Opened(ResultView(run_id, r, body["validator"], body["base_model_hash"],
                               body["beacon_seed"], body["verdicts"], body["scores"],
                               body["certified"]), signer)
 
 
+def certified_views(r: int, verdicts: Sequence[dict[str, Any]],
+                    scores: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The verdict rows the ledger serves for a certified result, in verdict order: each
+    verdict with its worker's score entry (specs/ledger-api.md), as export lines
+    (``{"type": "verdict", ...}``, the keys in the export's order)."""
+    by_worker = {sc["worker"]: sc for sc in scores}
+    out = []
+    for v in verdicts:
+        sc = by_worker.get(v["worker"], {})
+        out.append({"type": "verdict", "round": r, "worker": v["worker"], "status": v["status"],
+                    "reason": v["reason"], "detail": v["detail"],
+                    "spot_checked": v["spot_checked"], "distance": v["distance"],
+                    "samples": sc.get("samples", 0), "quality": sc.get("quality", 0.0),
+                    "score": sc.get("score", 0.0), "reward": sc.get("reward", 0.0)})
+    return out
+
+
+_LINE_ENCODER = json.JSONEncoder(separators=(",", ":"))  # the export's line encoding
+_LINE_START = '{"type":"verdict","round":'
+
+
+def render_view_lines(views: list[dict[str, Any]]) -> bytes | None:
+    """The export lines of one round's verdict rows, one per worker (the last verdict of a
+    worker counts, as in the comparison) in worker order, as the ledger writes them; None
+    when they cannot be rendered so (the views are then compared field by field).
+
+    The list is encoded in one call and split at the item boundaries: every item starts
+    with ``_LINE_START`` and no string can hold an unescaped quote, so each boundary is
+    a ``},{`` followed by it; a count check refuses a match inside an item."""
+    last = {row["worker"]: row for row in views}
+    if not last:
+        return b""
+    try:
+        ordered = [last[w] for w in sorted(last)]
+        text = _LINE_ENCODER.encode(ordered)
+    except (TypeError, ValueError):
+        return None
+    lines = text[1:-1].replace("}," + _LINE_START, "}\n" + _LINE_START) + "\n"
+    if lines.count("\n") != len(ordered):
+        return None
+    return lines.encode("ascii")
+
+
+@dataclass(frozen=True)
+class Totals:
+    """One certified result's contribution to the per-worker totals, a verdict a column
+    entry (columns of numbers travel as arrays when every entry is a float, or an int)."""
+
+    workers: list[Any]
+    accepted: bytes  # 1 where the verdict's status is "accepted"
+    samples: Sequence[Any]
+    scores: Sequence[Any]
+    rewards: Sequence[Any]
+
+    @classmethod
+    def of(cls, views: list[dict[str, Any]]) -> Totals:
+        return cls([row["worker"] for row in views],
+                   bytes(row["status"] == "accepted" for row in views),
+                   _compact([row["samples"] for row in views]),
+                   _compact([row["score"] for row in views]),
+                   _compact([row["reward"] for row in views]))
+
+    def rows(self) -> Iterator[tuple[Any, int, Any, Any, Any]]:
+        return zip(self.workers, self.accepted, self.samples, self.scores, self.rewards,
+                   strict=True)
+
+
+def _compact(values: list[Any]) -> Sequence[Any]:
+    """``values`` as an array when they all are floats (or ints that fit), else as is: an
+    array gives back equal values of the same type, and pickles as one buffer."""
+    types = set(map(type, values))
+    if types == {float}:
+        return array("d", values)
+    if types == {int} and min(values) >= -(1 << 63) and max(values) < 1 << 63:
+        return array("q", values)
+    return values
+
+
+@dataclass(frozen=True)
+class ResultFacts:
+    """What the audit reads of a result's verdicts and scores, derived where they were
+    parsed so the lists need not travel between processes. Each is its value or the
+    :class:`Deferred` problem its derivation raised."""
+
+    verdicts_digest: str | Deferred
+    scores_digest: str | Deferred
+    submission_digests: list[str] | Deferred  # sorted
+    failed: set[str] | Deferred  # workers whose spot check failed
+    totals: Totals | Deferred
+    lines: bytes | None  # render_view_lines, when asked for
+
+    @classmethod
+    def of(cls, r: int, verdicts: Sequence[dict[str, Any]], scores: Sequence[dict[str, Any]],
+           *, render: bool) -> ResultFacts:
+        views = _attempt(lambda: certified_views(r, verdicts, scores))
+        totals = views if isinstance(views, Deferred) else Totals.of(views)
+        return cls(
+            verdicts_digest=_attempt(lambda: digest_of(verdicts)),
+            scores_digest=_attempt(lambda: digest_of(scores)),
+            submission_digests=_attempt(lambda: sorted(v["submission_digest"] for v in verdicts)),
+            failed=_attempt(lambda: {v["worker"] for v in verdicts
+                                     if v["reason"] == "spot_check_failed"}),
+            totals=totals,
+            lines=render_view_lines(views) if render and not isinstance(views, Deferred)
+            else None)
+
+
+# ----------------------------------------------------------------------------- the scan
+
+
+@dataclass
+class Scan:
+    """Consecutive rows after the checks that need no row before them: from the second
+    row on, ``seq`` follows, ``prev_hash`` links and every hash recomputes; the first
+    row's hash recomputes (its ``seq`` and link are checked where the scan is joined to
+    the one before). Indices are the rows' positions in the scan."""
+
+    n: int = 0
+    first_seq: Any = None
+    first_prev: Any = None
+    last_seq: Any = None
+    last_hash: Any = None
+    failure: tuple[int, str] | None = None  # the first row failing those checks
+    subs: list[int] = field(default_factory=list)  # the submission rows, in order,
+    sub_digests: list[str] = field(default_factory=list)  # with their sha256(body)
+    sub_offsets: list[int] = field(default_factory=list)  # and lines' file offsets (if read)
+    others: list[int] = field(default_factory=list)  # rows neither submission nor receipt
+    rows: dict[int, ChainRow] = field(default_factory=dict)  # those, and checkpoint rows
+    row_offsets: dict[int, int] = field(default_factory=dict)  # and their lines' (if read)
+    checkpoints: list[int] = field(default_factory=list)
+    prepared: dict[int, Any] = field(default_factory=dict)  # parsed ahead of the pass
+
+
+@dataclass
+class Columns:
+    """Rows as parallel lists: what a file reader produces without a row object per line
+    (only the rows a scan keeps become :class:`ChainRow`)."""
+
+    seq: list[Any] = field(default_factory=list)
+    kind: list[Any] = field(default_factory=list)
+    body: list[Any] = field(default_factory=list)
+    prev_hash: list[Any] = field(default_factory=list)
+    hash: list[Any] = field(default_factory=list)
+    checkpoint: list[Any] = field(default_factory=list)
+    offset: list[int] | None = None  # where each row's line starts in its file
+    run_id: str = ""
+    rows: Sequence[ChainRow] | None = None  # the row objects, when they exist
+
+    @classmethod
+    def of(cls, rows: Sequence[ChainRow]) -> Columns:
+        return cls([r.seq for r in rows], [r.kind for r in rows], [r.body for r in rows],
+                   [r.prev_hash for r in rows], [r.hash for r in rows],
+                   [r.checkpoint for r in rows], rows=rows)
+
+    def row(self, j: int) -> ChainRow:
+        if self.rows is not None:
+            return self.rows[j]
+        return ChainRow(self.seq[j], self.run_id, self.kind[j], self.body[j],
+                        self.prev_hash[j], self.hash[j], self.checkpoint[j])
+
+
+def _record_body(row: ChainRow) -> Any:
+    """A ledger record's parsed body (the ledger's own record: its bytes are what the
+    hash and checkpoint cover)."""
+    try:
+        return json.loads(row.body)
+    except (ValueError, RecursionError) as exc:
+        raise Bad(f"not a JSON record: {exc}") from exc
+
+
+def _prepare_record(row: ChainRow) -> Any:
+    try:
+        return _record_body(row)
+    except Bad as exc:
+        return Deferred(str(exc))
+
+
+def _prepare_result(row: ChainRow, render: bool) -> tuple[_Opened, ResultFacts] | Deferred:
+    try:
+        opened = open_result(row.body)
+    except (Bad, *ROW_ERRORS) as exc:
+        return Deferred(str(exc))
+    res = opened.message
+    assert res.verdicts is not None and res.scores is not None
+    return opened, ResultFacts.of(res.round, res.verdicts, res.scores, render=render)
+
+
+class Scanner:
+    """Builds a :class:`Scan` from rows fed in order (in one call or several)."""
+
+    def __init__(self, *, full: bool = False, render: bool = False) -> None:
+        self.full = full
+        self.render = render
+        self.scan = Scan()
+        self._kind_raw: dict[str, bytes] = {}
+
+    def feed(self, cols: Columns) -> None:
+        """Scan the next rows, in order."""
+        scan = self.scan
+        subs, sub_digests, others, kept, prepared = (scan.subs, scan.sub_digests, scan.others,
+                                                     scan.rows, scan.prepared)
+        kind_raws = self._kind_raw
+        sha256, fromhex, tag = hashlib.sha256, bytes.fromhex, b"veritrain/v1/event"
+        seqs, bodies, prevs, hashes, cps, offsets = (cols.seq, cols.body, cols.prev_hash,
+                                                     cols.hash, cols.checkpoint, cols.offset)
+        failure = scan.failure
+        expected, prev = ((scan.last_seq + 1, scan.last_hash) if scan.n and failure is None
+                          else (None, None))
+        seq = scan.last_seq
+        k = scan.n - 1
+        for j, kind in enumerate(cols.kind):
+            k += 1
+            if failure is not None:
+                continue  # rows after a broken link are not trusted: nothing to keep
+            seq, row_hash, body = seqs[j], hashes[j], bodies[j]
+            if k == 0:
+                scan.first_seq, scan.first_prev = seq, prevs[j]
+                problem = None  # checked against the scan before this one
+            elif seq != expected:
+                problem = f"sequence gap: expected {expected}"
+            elif prevs[j] != prev:
+                problem = "prev_hash does not match the row before"
+            else:
+                problem = None
+            if problem is None:
+                kind_raw = kind_raws.get(kind) if isinstance(kind, str) else None
+                if kind_raw is None:
+                    kind_raw = kind_raws[kind] = kind.encode()
+                try:
+                    digest = sha256(tag + fromhex(prevs[j]) + seq.to_bytes(8, "big")
+                                    + len(kind_raw).to_bytes(2, "big") + kind_raw + body
+                                    ).hexdigest()
+                except (ValueError, OverflowError, TypeError, AttributeError):
+                    digest = ""
+                if digest != row_hash:
+                    problem = "hash does not match the row's content"
+            if problem is not None:
+                failure = scan.failure = (k, problem)
+                seq = scan.last_seq
+                continue
+            prev = row_hash
+            expected = seq + 1
+            if cps[j] is not None:
+                scan.checkpoints.append(k)
+                kept[k] = cols.row(j)
+            if kind == "submission":
+                subs.append(k)
+                sub_digests.append(sha256(body).hexdigest())
+                if offsets is not None:
+                    scan.sub_offsets.append(offsets[j])
+            elif kind != "receipt":
+                others.append(k)
+                row = kept[k] = cols.row(j)
+                if offsets is not None:
+                    scan.row_offsets[k] = offsets[j]
+                if kind == "round_result":
+                    if not self.full:
+                        prepared[k] = _prepare_result(row, self.render)
+                elif kind not in ALWAYS_OPENED and kind != "registration":
+                    prepared[k] = _prepare_record(row)
+        scan.n = k + 1
+        if failure is None:
+            scan.last_seq, scan.last_hash = seq, prev
+
+    def travelling(self) -> Scan:
+        """The scan made light to send to another process: without the verdict and score
+        lists of its results, nor the bodies of rows parsed already (both are read again
+        from the file where a rare check needs them; the certificates are read from their
+        rows before the pass)."""
+        scan = self.scan
+        prepared, kept = scan.prepared, scan.rows
+        for k, value in prepared.items():
+            kind = kept[k].kind
+            if k in scan.row_offsets and kind != "round_finalized":
+                kept[k] = replace(kept[k], body=b"")
+            if kind not in RECORD_CHECKS and isinstance(value, dict):
+                prepared[k] = {"run_id": value.get("run_id")}  # all the pass reads of it
+            if isinstance(value, tuple):
+                opened, facts = value
+                prepared[k] = (_Opened(replace(opened.message, verdicts=None, scores=None),
+                                       opened.signer), facts)
+        return self.scan
+
+
+def scan_rows(rows: Sequence[ChainRow], *, full: bool = False) -> Scan:
+    scanner = Scanner(full=full)
+    scanner.feed(Columns.of(rows))
+    return scanner.scan
+
+
 # ----------------------------------------------------------------------------- the pass
+
+
+Loader = Callable[[list[int]], Mapping[int, ChainRow]]
+
+
+@dataclass
+class _Result:
+    """A recorded round result: its row, the message and the facts of its lists."""
+
+    index: int
+    row: ChainRow
+    message: RoundResult | ResultView
+    facts: ResultFacts
+    load: Loader | None = None  # reads the row again if it travelled without its body
+
+    def lists(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The verdicts and scores, parsed again from the row if they travelled without."""
+        msg = self.message
+        if msg.verdicts is None or msg.scores is None:
+            row = self.row
+            if not row.body and self.load is not None:
+                row = self.load([self.index])[self.index]
+            msg = open_result(row.body).message
+        assert msg.verdicts is not None and msg.scores is not None
+        return msg.verdicts, msg.scores
 
 
 @dataclass
@@ -286,100 +646,141 @@ class _Round:
     submissions: dict[str, int] = field(default_factory=dict)  # digest -> row index
     closed: list[str] | None = None
     beacon_seed: str | None = None
-    results: list[RoundResult | ResultView] = field(default_factory=list)
+    results: list[_Result] = field(default_factory=list)
     bans: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     penalties: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
-    certified: RoundResult | ResultView | None = None
+    certified: _Result | None = None
 
 
 class _Pass:
-    """Sequential checks of one run's rows; collects the signature jobs."""
+    """Sequential checks of one run's scanned rows; collects the signature jobs."""
 
-    def __init__(self, rows: Sequence[ChainRow], ledger_key: bytes, full: bool) -> None:
-        self.rows = rows
+    def __init__(self, ledger_key: bytes, full: bool, load: Loader | None = None) -> None:
+        self.load = load
         self.ledger_key = ledger_key.hex()
         self.full = full
-        self.out = AuditResult(rows=len(rows), mode="full" if full else "fast")
+        self.out = AuditResult(mode="full" if full else "fast")
         self.spec: RunSpec | None = None
         self.rounds: dict[int, _Round] = {}
         self.current: _Round | None = None
         self.next_base: str | None = None
         self.jobs: list[Job] = []
-        self.expected_views: dict[tuple[int, str], dict[str, Any]] = {}
-        self.last_checkpoint = -1
+        self.certified: list[_Result] = []  # in the order the rounds were finalized
+        self._sums: dict[str, list[Any]] = {}
 
-    def run(self) -> tuple[int, str] | None:
-        """Check rows in order; the index and problem of the first failing row, if any."""
-        prev, expected = GENESIS_HASH, 0
-        sha256 = hashlib.sha256
-        tag = b"veritrain/v1/event"
-        kinds = self.out.kinds
-        for i, row in enumerate(self.rows):
-            if row.seq != expected:
-                return i, f"sequence gap: expected {expected}"
-            if row.prev_hash != prev:
-                return i, "prev_hash does not match the row before"
+    def run(self, scans: Iterable[Scan]) -> tuple[int, str] | None:
+        """Join the scans and check their rows in order; the index and problem of the
+        first failing row, if any (the rows scanned are counted in ``out.rows``)."""
+        prev, expected, base = GENESIS_HASH, 0, 0
+        first: tuple[int, str] | None = None
+        for scan in scans:
+            self.out.rows += scan.n
+            if first is not None or scan.n == 0:
+                continue
+            if scan.first_seq != expected:
+                first = (base, f"sequence gap: expected {expected}")
+            elif scan.first_prev != prev:
+                first = (base, "prev_hash does not match the row before")
+            stop = 0 if first is not None else scan.failure[0] if scan.failure else scan.n
+            bad = self._walk(scan, base, stop)
+            if bad is not None:
+                first = bad
+            elif first is None and scan.failure is not None:
+                first = (base + scan.failure[0], scan.failure[1])
+            prev, expected = scan.last_hash, (scan.last_seq + 1 if first is None else None)
+            base += scan.n
+        return first
+
+    def _walk(self, scan: Scan, base: int, stop: int) -> tuple[int, str] | None:
+        """The rows ``base + [0, stop)`` of a scan: each row that is neither a submission nor
+        a receipt on its own, the runs of those between them at once."""
+        counts, kept, prepared = self.out.kinds, scan.rows, scan.prepared
+        start, at = 0, 0  # the next row to walk, its place among the scan's submissions
+        for k in [*scan.others[:bisect_left(scan.others, stop)], stop]:
+            bad, at = self._run_of_submissions(scan, base, start, k, at)
+            if bad is not None or k == stop:
+                return bad
+            i, row = base + k, kept[k]
             kind = row.kind
+            counts[kind] = counts.get(kind, 0) + 1
             try:
-                kind_raw = kind.encode()
-                digest = sha256(tag + bytes.fromhex(prev) + row.seq.to_bytes(8, "big")
-                                + len(kind_raw).to_bytes(2, "big") + kind_raw + row.body
-                                ).hexdigest()
-            except (ValueError, OverflowError):
-                digest = ""
-            if digest != row.hash:
-                return i, "hash does not match the row's content"
-            prev, expected = row.hash, row.seq + 1
-            kinds[kind] = kinds.get(kind, 0) + 1
-            if row.checkpoint is not None:
-                self.jobs.append((i, "checkpoint", {"ledger_key": self.ledger_key}))
-                self.last_checkpoint = i
-            try:
-                if kind == "submission":
-                    self._submission(i, row)
-                elif kind == "receipt":
-                    if self.full:
-                        self.jobs.append((i, "receipt", {"ledger_key": self.ledger_key}))
-                elif kind == "registration":
-                    self._need_spec()
-                    self.jobs.append((i, "registration", {}))
+                if kind == "registration":
+                    self._need_spec()  # its signature: row_jobs()
                 else:
-                    self._other(i, row)
+                    self._other(i, row, prepared.get(k))
             except Bad as exc:
                 return i, f"{kind}: {exc}"
             except BadEarlier as exc:
-                return exc.index, f"{self.rows[exc.index].kind}: {exc}"
-            except (RejectedInput, KeyError, TypeError, ValueError) as exc:
+                return exc.index, f"{exc.kind}: {exc}"
+            except ROW_ERRORS as exc:
                 return i, f"{kind}: {exc}"
+            start = k + 1
         return None
+
+    def _run_of_submissions(self, scan: Scan, base: int, start: int, stop: int, at: int
+                            ) -> tuple[tuple[int, str] | None, int]:
+        """Rows ``[start, stop)`` of a scan, all submissions and receipts: each submission is
+        recorded in the open round under its digest. The first failing row, if any, and
+        where the next run starts among the scan's submissions."""
+        if start >= stop:
+            return None, at
+        subs = scan.subs
+        end = bisect_left(subs, stop, at)
+        rnd = self.current
+        if end > at and (rnd is None or rnd.closed is not None):
+            stop = subs[at] + 1  # the rows up to that submission are counted
+            end = at + 1
+            bad: tuple[int, str] | None = (base + subs[at],
+                                           "submission: no open round to record it in")
+        else:
+            bad = None
+        n_subs, counts = end - at, self.out.kinds
+        first_is_sub = n_subs > 0 and subs[at] == start
+        for kind, n in ((("submission", n_subs), ("receipt", stop - start - n_subs))
+                        if first_is_sub else
+                        (("receipt", stop - start - n_subs), ("submission", n_subs))):
+            if n:
+                counts[kind] = counts.get(kind, 0) + n
+        if bad is not None:
+            return bad, end
+        assert rnd is not None or n_subs == 0
+        if n_subs:
+            assert rnd is not None
+            rnd.submissions.update(zip(scan.sub_digests[at:end],
+                                       map(base.__add__, subs[at:end]), strict=True))
+        if self.full:
+            is_sub = set(subs[at:end])
+            for k in range(start, stop):
+                if k in is_sub:
+                    assert rnd is not None
+                    self.jobs.append((base + k, "submission", {"round": rnd.index}))
+                else:
+                    self.jobs.append((base + k, "receipt", {"ledger_key": self.ledger_key}))
+        return None, end
 
     # -- per kind
 
-    def _submission(self, i: int, row: ChainRow) -> None:
-        if self.current is None or self.current.closed is not None:
-            raise Bad("no open round to record it in")
-        self.current.submissions[hashlib.sha256(row.body).hexdigest()] = i
-        if self.full:
-            self.jobs.append((i, "submission", {"round": self.current.index}))
-
-    def _other(self, i: int, row: ChainRow) -> None:
+    def _other(self, i: int, row: ChainRow, prepared: Any) -> None:
         kind = row.kind
         if i == 0 and kind != "run_spec":
             raise Bad("the first row must be the run spec")
         if kind == "round_result" and not self.full:
             self.out.signatures += 1
-            self._round_result(i, row, open_result(row.body))
+            opened, facts = _take(prepared)
+            self._round_result(i, row, opened, facts)
             return
         if kind in ALWAYS_OPENED:
             signed = open_signed(decode_canonical(row.body, max_bytes=MAX_BODY),
                                  ALWAYS_OPENED[kind])
             self.out.signatures += 1
-            getattr(self, "_" + kind)(i, row, signed)
+            if kind == "round_result":
+                res = signed.message
+                self._round_result(i, row, signed, ResultFacts.of(
+                    res.round, res.verdicts, res.scores, render=False))
+            else:
+                getattr(self, "_" + kind)(i, row, signed)
             return
-        try:  # the ledger's own record: its bytes are what the hash and checkpoint cover
-            body = json.loads(row.body)
-        except (ValueError, RecursionError) as exc:
-            raise Bad(f"not a JSON record: {exc}") from exc
+        body = _take(prepared) if prepared is not None else _record_body(row)
         if not isinstance(body, dict):
             raise Bad("a ledger record is a JSON object")
         if body.get("run_id") != row.run_id:
@@ -425,19 +826,19 @@ class _Pass:
         if self.full:
             self.jobs.append((i, "share", {"bls": self._need_spec().validators[idx]["bls"]}))
 
-    def _round_result(self, i: int, row: ChainRow, signed: Any) -> None:
+    def _round_result(self, i: int, row: ChainRow, signed: Any, facts: ResultFacts) -> None:
         res: RoundResult | ResultView = signed.message
         self._validator_index(signed.signer, res.validator)
         rnd = self._round_of(res.round)
         cert = CertifiedState.from_body(res.certified)
         if res.base_model_hash != rnd.base or cert.round != res.round + 1:
             raise Bad("result for another base model or round")
-        if cert.verdicts_hash != digest_of(res.verdicts) or cert.scores_hash != digest_of(
-                res.scores):
+        if cert.verdicts_hash != _take(facts.verdicts_digest) or cert.scores_hash != _take(
+                facts.scores_digest):
             raise Bad("verdicts or scores differ from the certified digests")
         if rnd.beacon_seed is None or res.beacon_seed != rnd.beacon_seed:
             raise Bad("result uses another beacon than the round's")
-        rnd.results.append(res)
+        rnd.results.append(_Result(i, row, res, facts, self.load))
 
     def _rec_round_opened(self, i: int, body: dict[str, Any]) -> None:
         r = body["round"]
@@ -454,7 +855,12 @@ class _Pass:
         if rnd is not self.current or rnd.closed is not None:
             raise Bad("closes a round that is not open")
         listed = list(body["submissions"])
-        if sorted(listed) != sorted(rnd.submissions):
+        if set(map(type, listed)) <= {str}:  # as sorted lists, without sorting:
+            # the digests recorded are distinct, so equal multisets are equal sets
+            same = len(listed) == len(rnd.submissions) and set(listed) == rnd.submissions.keys()
+        else:
+            same = sorted(listed) == sorted(rnd.submissions)
+        if not same:
             raise Bad("sealed list differs from the submissions recorded in the round")
         rnd.closed = listed
 
@@ -478,19 +884,19 @@ class _Pass:
         if len(set(signers)) != len(signers) or len(signers) < spec.quorum or any(
                 k >= len(spec.validators) for k in signers):
             raise Bad("certificate signers are not a quorum of the validator set")
-        match = [res for res in rnd.results if res.certified == checked["certified"]]
+        match = [res for res in rnd.results if res.message.certified == checked["certified"]]
         if not match:
             raise Bad("no recorded validator result carries the certified state")
         res = match[0]
         closed = rnd.closed or []
-        if sorted(v["submission_digest"] for v in res.verdicts) != sorted(closed):
+        if _take(res.facts.submission_digests) != sorted(closed):
             raise Bad("certified verdicts do not cover exactly the sealed submissions")
         self._check_bans(rnd, res)
         rnd.certified = res
         self.out.covered_by_certificates += len(closed)
         self.out.certificates += 1  # its BLS signature: certificate_jobs(), run meanwhile
         self.next_base = state.model_hash
-        self._expect_views(res)
+        self._add_totals(res)
 
     def _rec_ban(self, i: int, body: dict[str, Any]) -> None:
         # Written just before the round's certificate: checked when that arrives.
@@ -508,84 +914,114 @@ class _Pass:
 
     def _rec_validator_fault(self, i: int, body: dict[str, Any]) -> None:
         rnd = self._round_of(body["round"])
-        differs = any(res.validator == body["validator"] and digest_of(res.certified) == body[
-            "result_digest"] != body["certified_digest"] for res in rnd.results)
+        differs = any(res.message.validator == body["validator"] and digest_of(
+            res.message.certified) == body["result_digest"] != body["certified_digest"]
+            for res in rnd.results)
         if not differs:
             raise Bad("fault without a recorded result that differs from the certificate")
 
-    def _check_bans(self, rnd: _Round, res: RoundResult | ResultView) -> None:
-        failed = {v["worker"] for v in res.verdicts if v["reason"] == "spot_check_failed"}
+    def _check_bans(self, rnd: _Round, res: _Result) -> None:
+        failed = _take(res.facts.failed)
         spec = self._need_spec()
         ban_rounds = spec.verification["ban_rounds"]
         for i, body in rnd.bans:
             if body["worker"] not in failed or body["reason"] != "spot_check_failed" or body[
                     "until_round"] != rnd.index + ban_rounds:
-                raise BadEarlier(i, "ban without a certified failed spot check")
+                raise BadEarlier(i, "ban", "ban without a certified failed spot check")
         vesting = spec.verification.get("vesting_rounds", 0)
         for i, body in rnd.penalties:
             src = self.rounds.get(body["source_round"])
             earned = None if src is None or src.certified is None else next(
-                (sc["reward"] for sc in src.certified.scores if sc["worker"] == body["worker"]),
-                None)
+                (sc["reward"] for sc in src.certified.lists()[1]
+                 if sc["worker"] == body["worker"]), None)
             if (body["worker"] not in failed or earned is None or body["amount"] != earned
                     or not rnd.index - vesting < body["source_round"] < rnd.index):
-                raise BadEarlier(i, "penalty that is not an unvested certified reward of a "
-                                 "worker whose spot check failed")
+                raise BadEarlier(i, "penalty", "penalty that is not an unvested certified "
+                                 "reward of a worker whose spot check failed")
 
     def _rec_run_finished(self, i: int, body: dict[str, Any]) -> None:
         if self.current is None or self.current.certified is None:
             raise Bad("run finished with a round not finalized")
 
-    def _expect_views(self, res: RoundResult | ResultView) -> None:
-        scores = {sc["worker"]: sc for sc in res.scores}
-        for v in res.verdicts:
-            sc = scores.get(v["worker"], {})
-            row = {"status": v["status"], "reason": v["reason"], "detail": v["detail"],
-                   "spot_checked": v["spot_checked"], "distance": v["distance"],
-                   "samples": sc.get("samples", 0), "quality": sc.get("quality", 0.0),
-                   "score": sc.get("score", 0.0), "reward": sc.get("reward", 0.0)}
-            self.expected_views[(res.round, v["worker"])] = row
-            tot = self.out.totals.setdefault(v["worker"], {
-                "rounds": 0, "accepted": 0, "rejected": 0, "samples": 0, "score": 0.0,
-                "reward": 0.0})
-            tot["rounds"] += 1
-            tot["accepted" if v["status"] == "accepted" else "rejected"] += 1
-            tot["samples"] += row["samples"] if v["status"] == "accepted" else 0
-            tot["score"] += row["score"]
-            tot["reward"] += row["reward"]
+    def _add_totals(self, res: _Result) -> None:
+        """Per-worker sums of the certified verdicts (the views are compared after the pass):
+        [rounds, accepted, rejected, samples, score, reward], made dicts by totals()."""
+        totals: Totals = _take(res.facts.totals)
+        self.certified.append(res)
+        sums = self._sums
+        for worker, accepted, samples, score, reward in totals.rows():
+            tot = sums.get(worker)
+            if tot is None:
+                tot = sums[worker] = [0, 0, 0, 0, 0.0, 0.0]
+            tot[0] += 1
+            if accepted:
+                tot[1] += 1
+                tot[3] += samples
+            else:
+                tot[2] += 1
+                tot[3] += 0
+            tot[4] += score
+            tot[5] += reward
+
+    def totals(self) -> dict[str, dict[str, float]]:
+        keys = ("rounds", "accepted", "rejected", "samples", "score", "reward")
+        return {w: dict(zip(keys, tot, strict=True)) for w, tot in self._sums.items()}
 
     # -- after the pass
 
-    def uncovered_submissions(self, upto: int) -> None:
+    def uncovered_submissions(self, upto: int) -> list[int]:
         """Submissions no certificate vouches for get their own signature checked."""
         if self.full:
-            return
+            return []
+        added = []
         for rnd in self.rounds.values():
             if rnd.certified is None:
                 for i in rnd.submissions.values():
                     if i < upto:
                         self.jobs.append((i, "submission", {"round": rnd.index}))
+                        added.append(i)
+        return added
 
-def _name_bad_certificate(rows: Sequence[ChainRow], ctx: dict[str, Any],
-                          upto: int) -> tuple[int, str]:
+    def expected_views(self) -> dict[tuple[int, str], dict[str, Any]]:
+        """The verdict row each (round, worker) must have, from the certified results."""
+        expected: dict[tuple[int, str], dict[str, Any]] = {}
+        for res in self.certified:
+            for row in certified_views(res.message.round, *res.lists()):
+                expected[(row["round"], row["worker"])] = {name: row[name]
+                                                           for name in VIEW_FIELDS}
+        return expected
+
+    def expected_lines(self) -> bytes | None:
+        """The export lines of every certified verdict row, in the export's order, or None
+        where a round's could not be rendered."""
+        parts = [res.facts.lines for res in self.certified]
+        return None if any(p is None for p in parts) else b"".join(parts)  # type: ignore[misc]
+
+
+#: Ledger records the pass checks beyond their run (the others: a JSON object of the run).
+RECORD_CHECKS = frozenset(name[5:] for name in dir(_Pass) if name.startswith("_rec_"))
+
+
+def _name_bad_certificate(total: int, ctx: dict[str, Any], upto: int) -> tuple[int, str]:
     """A batch failed: check its certificates one by one to name the first bad row."""
     for i, pubs, root, sig in ctx["members"]:
         if i < upto and not bls.fast_aggregate_verify(pubs, root, sig):
             return i, "round_finalized: certificate: aggregate signature does not verify"
-    return len(rows), "round_finalized: certificate batch does not verify"
+    return total, "round_finalized: certificate batch does not verify"
 
 
-def certificate_jobs(rows: Sequence[ChainRow], full: bool, parts: int) -> list[Job]:
-    """The BLS work for every certificate in the log, known before the pass so that it
-    can run while the pass does (rows the pass finds malformed are failed by the pass)."""
+def certificate_jobs(spec_row: ChainRow | None, finalized: Iterable[tuple[int, ChainRow]],
+                     full: bool, parts: int) -> list[Job]:
+    """The BLS work for the certificates of the ``round_finalized`` rows, known before the
+    pass so that it can run while the pass does (rows the pass finds malformed are failed
+    by the pass). ``spec_row`` is row 0, the run spec naming the validators' keys."""
     certs = []
     try:
-        spec = RunSpec.from_body(decode_canonical(rows[0].body, max_bytes=MAX_BODY)["body"])
-    except (IndexError, RejectedInput, KeyError, TypeError, ValueError):
+        assert spec_row is not None
+        spec = RunSpec.from_body(decode_canonical(spec_row.body, max_bytes=MAX_BODY)["body"])
+    except (AssertionError, RejectedInput, KeyError, TypeError, ValueError):
         return []
-    for i, row in enumerate(rows):
-        if row.kind != "round_finalized":
-            continue
+    for i, row in finalized:
         try:
             checked = CERTIFICATE(decode_canonical(row.body, max_bytes=MAX_BODY)["certificate"],
                                   "certificate")
@@ -603,68 +1039,129 @@ def certificate_jobs(rows: Sequence[ChainRow], full: bool, parts: int) -> list[J
             for part in (certs[k:k + step] for k in range(0, len(certs), step))]
 
 
-def verify_log(rows: Sequence[ChainRow], ledger_key: bytes, *, full: bool = False,
-               views: Sequence[dict[str, Any]] | None = None,
-               processes: int | None = None) -> AuditResult:
-    """Verify one run's whole event log (and optionally its served verdict rows).
+def _finalized_rows(scans: Sequence[Scan]) -> Iterator[tuple[int, ChainRow]]:
+    base = 0
+    for scan in scans:
+        for k in scan.others:
+            if scan.rows[k].kind == "round_finalized":
+                yield base + k, scan.rows[k]
+        base += scan.n
 
-    With several processes, the certificates' BLS checks start at once on a process
-    pool, the sequential pass runs here meanwhile, and the signature checks it
-    collects follow on the pool.
+
+def row_jobs(scans: Sequence[Scan], ledger_key: str) -> list[Job]:
+    """The signature checks that need nothing but their row (every checkpoint and every
+    registration), known before the pass so that they can run while it does; the
+    pass fails a registration before the run spec, and rows after the first failure
+    are dropped, as for every job."""
+    jobs: list[Job] = []
+    base = 0
+    for scan in scans:
+        jobs += [(base + k, "checkpoint", {"ledger_key": ledger_key}) for k in scan.checkpoints]
+        jobs += [(base + k, "registration", {}) for k in scan.others
+                 if scan.rows[k].kind == "registration"]
+        base += scan.n
+    return jobs
+
+
+@dataclass
+class Verified:
+    """A finished pass: the result so far and what the views check needs."""
+
+    out: AuditResult
+    passed: _Pass
+
+
+def verify_scans(scans: Sequence[Scan], rows: RowsAt | None, ledger_key: bytes, *,
+                 full: bool = False, processes: int | None = None,
+                 pool: Executor | None = None, load: Loader | None = None) -> Verified:
+    """The pass over ``scans`` and every signature check, without the views.
+
+    ``rows``: the rows themselves when they are at hand (else the jobs read the rows the
+    scans kept, and ``load`` reads rows they did not keep: the submissions the pass finds
+    no certificate for, a result's row whose lists a rare check needs again).
+    With several processes (``pool``, or one made here for a big log) the certificates'
+    BLS checks and the checks of single rows start before the pass, and the signature
+    checks it collects follow.
     """
-    global _ROWS
     n_proc = processes if processes is not None else (os.cpu_count() or 1)
-    use_pool = n_proc > 1 and len(rows) >= PARALLEL_MIN_ROWS
-    certs = certificate_jobs(rows, full, n_proc if use_pool else 1)
-    _ROWS = rows
-    pool: ProcessPoolExecutor | None = None
+    total = sum(scan.n for scan in scans)
+    spec_row = scans[0].rows.get(0) if scans else None
+    own_pool: ProcessPoolExecutor | None = None
+    use_pool = pool is not None or (n_proc > 1 and total >= PARALLEL_MIN_ROWS)
+    # One batch per two processes: a batch costs a pairing and a final exponentiation more.
+    certs = certificate_jobs(spec_row, _finalized_rows(scans), full,
+                             max(1, n_proc // 2) if use_pool else 1)
+    at: RowsAt
+    if rows is not None:
+        at = rows
+    else:
+        at = {}
+        base = 0
+        for scan in scans:
+            at.update((base + k, row) for k, row in scan.rows.items())
+            base += scan.n
+    early = row_jobs(scans, ledger_key.hex())
     try:
         futures: list[Future[list[tuple[int, str]]]] = []
-        if use_pool:
-            pool = ProcessPoolExecutor(max_workers=n_proc,
-                                       mp_context=multiprocessing.get_context("fork"))
-            futures = [pool.submit(_run_jobs, [job]) for job in certs]
-        p = _Pass(rows, ledger_key, full)
+        if use_pool and pool is None:
+            pool = own_pool = fork_pool(n_proc)
+        if pool is not None:
+            futures = _submit_jobs(pool, certs + early, at, n_proc)
+        p = _Pass(ledger_key, full, load)
         out = p.out
-        first = p.run()
-        upto = len(rows) if first is None else first[0]
-        p.uncovered_submissions(upto)
-        jobs = [j for j in p.jobs if j[0] < upto]
+        first = p.run(scans)
+        upto = total if first is None else first[0]
+        uncovered = p.uncovered_submissions(upto)
+        if uncovered and rows is None:
+            assert load is not None, "scans without their rows need a loader"
+            assert isinstance(at, dict)
+            at.update(load(uncovered))
+        late = [j for j in p.jobs if j[0] < upto]
         if pool is not None:
-            size = max(64, len(jobs) // (n_proc * 4))
-            futures += [pool.submit(_run_jobs, jobs[k:k + size])
-                        for k in range(0, len(jobs), size)]
-            results = [bad for f in futures for bad in f.result()]
-        else:
-            results = _run_jobs(certs + jobs) if len(jobs) < PARALLEL_MIN_JOBS or n_proc <= 1 \
-                else _run_jobs(certs) + _run_all(rows, jobs, n_proc)
+            futures += _submit_jobs(pool, late, at, n_proc)
+        elif n_proc > 1 and len(early) + len(late) >= PARALLEL_MIN_JOBS:  # a small log,
+            pool = own_pool = fork_pool(n_proc)  # many signatures
+            futures = _submit_jobs(pool, certs + early + late, at, n_proc)
+        results = ([bad for f in futures for bad in f.result()] if pool is not None
+                   else _run_jobs(certs + early + late, at))
     finally:
-        if pool is not None:
-            pool.shutdown()
-        _ROWS = ()
+        if own_pool is not None:
+            own_pool.shutdown()
+    jobs = [j for j in early if j[0] < upto] + late
     failures = [] if first is None else [first]
     batches = {j[0]: j for j in certs if j[1] == "batch"}
     for i, problem in results:
         if problem == "batch":
-            failures.append(_name_bad_certificate(rows, batches[i][2], upto))
+            failures.append(_name_bad_certificate(total, batches[i][2], upto))
         elif i < upto:
             failures.append((i, problem))
     out.signatures += sum(1 for j in jobs if j[1] in ("submission", "receipt", "share",
                                                       "registration"))
     out.checkpoints = sum(1 for j in jobs if j[1] == "checkpoint")
-    out.unsigned_tail = upto - 1 - p.last_checkpoint if first is None else 0
+    last_checkpoint = max((j[0] for j in jobs if j[1] == "checkpoint"), default=-1)
+    out.unsigned_tail = upto - 1 - last_checkpoint if first is None else 0
+    out.totals = p.totals()
     if failures:
         # Rows before i are contiguous from seq 0, so i is the seq the bad row should have.
         i, problem = min(failures)
         out.first_bad_seq, out.problem = i, problem
-        return out
-    if views is not None:
-        _check_views(out, p.expected_views, views)
-    return out
+    return Verified(out, p)
 
 
-def _check_views(out: AuditResult, expected: dict[tuple[int, str], dict[str, Any]],
-                 views: Sequence[dict[str, Any]]) -> None:
+def verify_log(rows: Sequence[ChainRow], ledger_key: bytes, *, full: bool = False,
+               views: Sequence[dict[str, Any]] | None = None,
+               processes: int | None = None) -> AuditResult:
+    """Verify one run's whole event log (and optionally its served verdict rows)."""
+    done = verify_scans([scan_rows(rows, full=full)], rows, ledger_key, full=full,
+                        processes=processes)
+    if done.out.ok and views is not None:
+        check_views(done.out, done.passed.expected_views(), views)
+    return done.out
+
+
+def check_views(out: AuditResult, expected: dict[tuple[int, str], dict[str, Any]],
+                views: Iterable[dict[str, Any]]) -> None:
+    """Each served verdict row against the certified one; names the first that differs."""
     seen = set()
     # Rounds finalized after the rows were read have no certificate here yet: skipped.
     last = max((r for r, _ in expected), default=-1)
