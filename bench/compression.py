@@ -188,7 +188,8 @@ def _e2e_run(job: tuple[str, str, dict[str, object], int, int, str]) -> dict[str
     started = time.monotonic()
     result = swarm.train(rounds, on_round=on_round)
     inner = swarm.run.spec.inner
-    rejected = sum(1 for o in result.outcomes for v in o.verdicts if v["status"] == "rejected")
+    rejected = [f"r{r}:{v['reason']}" for r, o in enumerate(result.outcomes)
+                for v in o.verdicts if v["status"] == "rejected"]
     return {"label": label, "codec": name, "params": params, "final": result.eval_loss[-1],
             "losses": result.eval_loss, "up_bytes": statistics.mean(up),
             "down_bytes": statistics.mean(down), "numel": swarm.run.numel,
@@ -229,7 +230,7 @@ def format_e2e(e2e: Mapping[str, Any]) -> str:
             f"{r['label']:<24}{r['final']:>11.4f}{100 * r['loss_vs_uncompressed']:>+8.2f}%"
             f"{r['up_bytes']:>12.0f}{r['up_ratio']:>7.1f}x{r['down_bytes']:>14.0f}"
             f"{r['down_ratio']:>7.1f}x{'1/' + format(1 / r['bytes_vs_data_parallel'], '.0f'):>9}"
-            f"{r['rejected']:>9}{r['seconds']:>6.0f}")
+            f"{len(r['rejected']):>9}{r['seconds']:>6.0f}  {' '.join(r['rejected'])}")
     return "\n".join(lines)
 
 

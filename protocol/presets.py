@@ -40,8 +40,8 @@ def _preset(task: str, *, steps: int, batch: int, lr: float, k: int, round_secon
                          "tolerance": tolerance, "norm_factor": 10.0, "ban_rounds": ban_rounds,
                          "vesting_rounds": vesting_rounds,
                          # Probe filter (validators/probe.py): drop an update whose implied
-                         # model gains far less loss on 16 beacon-drawn windows than the
-                         # round's median (5 MADs and half the median below it).
+                         # model makes the loss on 16 beacon-drawn windows worse, by more
+                         # than 5 MADs of the round's gains below their median.
                          "probe_examples": 16, "probe_factor": 5.0},
     }
 

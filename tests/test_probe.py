@@ -14,8 +14,9 @@ from veritrain.validators.probe import loss_regressions, probe_gains, probe_rows
 
 def test_far_negative_gains_are_rejected_and_the_honest_spread_is_kept():
     gains = {"h1": 0.30, "h2": 0.28, "h3": 0.31, "h4": 0.25, "h5": 0.29, "b1": -0.5, "b2": -0.02,
-             "b3": 0.05}
-    assert set(loss_regressions(gains, 5.0)) == {"b1", "b2", "b3"}
+             "h6": 0.01}
+    # Below the spread and worse than doing nothing: rejected; helping little: kept.
+    assert set(loss_regressions(gains, 5.0)) == {"b1", "b2"}
     # Late in training honest gains straddle zero: a small loss inside the spread stays.
     late = {"h1": 0.004, "h2": -0.002, "h3": 0.001, "h4": 0.003, "h5": -0.001}
     assert loss_regressions(late, 5.0) == {}
@@ -64,6 +65,14 @@ def test_gains_separate_trained_updates_from_flipped_and_noise():
     gains = probe_gains(run, base, updates, rows)
     assert all(gains[w] > 0 for w in workers), gains
     # At genesis even the flipped update lowers the loss (the random model is far from
-    # anything), but by much less than the trained ones.
+    # anything), by much less than the trained ones; noise does not help.
     assert gains["flip"] < 0.6 * min(gains[w] for w in workers) and gains["noise"] < 0.1
-    assert set(loss_regressions(gains, 5.0)) == {"flip", "noise"}
+    assert not set(loss_regressions(gains, 5.0)) & set(workers)
+    # A round later, from the averaged model, the flipped update makes the loss worse.
+    base2 = base - mean
+    honest2 = {w: run.train(base2, 1, w).delta for w in workers}
+    flip2 = -torch.stack(list(honest2.values())).mean(0)
+    gains2 = probe_gains(run, base2, {**honest2, "flip": flip2},
+                         probe_rows(run, b"beacon seed", 1, 64))
+    assert gains2["flip"] < 0 < min(gains2[w] for w in workers), gains2
+    assert set(loss_regressions(gains2, 5.0)) == {"flip"}

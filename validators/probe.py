@@ -12,12 +12,14 @@ round's:
 
     gain_i < median(gain) - max(factor * MAD(gain), RELATIVE_MARGIN * |median(gain)|)
 
-with MAD the median absolute deviation. The MAD term keeps honest updates that
-happen to cost a little probe loss late in training (gains then straddle zero);
-the relative term keeps honest updates that improve the model a little less
-than the rest when all improve alike (a tiny MAD). Label flipping, sign
-flipping, inner-product manipulation and free riding give far less than the
-honest gain and are removed before the robust aggregate.
+with MAD the median absolute deviation. While the round's updates improve the
+model (a positive median), the relative term puts the floor at or below zero: an
+update is only rejected if it makes the probe loss *worse*, and by more than the
+honest spread, so an honest worker whose shard happens to help less is never
+rejected for it. The MAD term keeps honest updates that cost a little probe loss
+late in training, when gains straddle zero. Label flipping, sign flipping,
+inner-product manipulation and noise raise the probe loss well beyond that and
+are removed before the robust aggregate.
 This is suspicion-based filtering in the manner of Zeno (Xie, Koyejo and Gupta,
 ICML 2019); with the median it holds while fewer than half of the updates are
 Byzantine, which is what lets CenteredClip keep its guarantee at f close to
@@ -36,8 +38,9 @@ from veritrain.protocol.training import deterministic_mode
 
 #: Fewer updates than this have no spread to be far from.
 MIN_UPDATES = 3
-#: An update keeps its place if it gains at least this share of the median gain.
-RELATIVE_MARGIN = 0.5
+#: The floor is never above (1 - RELATIVE_MARGIN) times the median gain: with a
+#: positive median, only an update that makes the probe loss worse can be rejected.
+RELATIVE_MARGIN = 1.0
 
 
 def probe_rows(run: RunContext, beacon_seed: bytes, round_index: int, examples: int
@@ -69,7 +72,7 @@ def probe_gains(run: RunContext, base_flat: torch.Tensor, updates: dict[str, tor
 
 
 def loss_regressions(gains: dict[str, float], factor: float) -> dict[str, str]:
-    """Workers whose gain is more than ``factor`` MADs, and half the median, below the median."""
+    """Workers whose gain is more than ``factor`` MADs, and the median itself, below the median."""
     if factor <= 0 or len(gains) < MIN_UPDATES:
         return {}
     median = statistics.median(gains.values())

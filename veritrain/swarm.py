@@ -23,6 +23,7 @@ import torch
 
 from veritrain.aggregation import attacks as A
 from veritrain.aggregation import build_aggregator
+from veritrain.protocol import bls
 from veritrain.protocol.beacon import beacon_root, compute_beacon_seed
 from veritrain.protocol.challenges import ChallengePolicy, compute_challenges, needed_hashes
 from veritrain.protocol.codecs import ErrorFeedback
@@ -80,7 +81,10 @@ class Swarm:
             if attack not in ATTACKS:
                 raise ValueError(f"unknown attack {attack!r}; expected one of {ATTACKS}")
         self.device = device
-        self.validator = Identity.generate("validator")
+        # A seeded validator key: its BLS beacon shares, hence the challenges, the probe
+        # batches and the aggregation seeds, are the same in every run with this seed.
+        v_seed = hashlib.sha256(f"veritrain/swarm/{seed}/validator".encode()).digest()
+        self.validator = Identity("validator", v_seed, bls.keygen(v_seed))
         self.workers = [deterministic_identity("worker", seed, i) for i in range(n_workers)]
         run_seed = hashlib.sha256(f"veritrain/swarm/{seed}/run".encode()).hexdigest()
         self.bundle = bundle or build_run(deterministic_identity("organiser", seed, 0),
