@@ -52,7 +52,12 @@ def _check_depth(data: bytes) -> None:
 
     Strings are removed, only brackets kept, then innermost pairs are peeled
     off once per level: valid JSON is empty after at most its depth passes.
+    Data with at most MAX_DEPTH opening brackets in all cannot nest deeper, so
+    it skips that (the parser refuses unbalanced brackets): a signed message
+    has a handful, and the peeling cost half of decoding one.
     """
+    if data.count(b"{") + data.count(b"[") <= MAX_DEPTH:
+        return
     brackets = _STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
     for _ in range(MAX_DEPTH):
         if not brackets:

@@ -13,6 +13,7 @@ body.round, canonical(body))``. specs/protocol.md lists every field.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
@@ -30,6 +31,13 @@ MAX_WORKERS_PER_ROUND = 10_000
 TIME = f.integer(0, 1 << 40)
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A message class's fields, in order (``dataclasses.fields`` is slow on a hot path:
+    the ledger builds a receipt per submission)."""
+    return tuple(fld.name for fld in dataclasses.fields(cls))
+
+
 class Message:
     """Base of every typed message: canonical body, schema check, signing root."""
 
@@ -40,7 +48,7 @@ class Message:
     round: int
 
     def to_body(self) -> dict[str, Any]:
-        return {fld.name: getattr(self, fld.name) for fld in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {name: getattr(self, name) for name in _field_names(type(self))}
 
     def body_bytes(self) -> bytes:
         return encode_canonical(self.to_body())
