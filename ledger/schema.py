@@ -76,7 +76,7 @@ class Submission(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.run_id"))
     round: Mapped[int] = mapped_column(Integer)
     worker: Mapped[str] = mapped_column(String(64))
-    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    digest: Mapped[str] = mapped_column(String(64))  # unique: it names (run, round, worker)
     envelope: Mapped[bytes] = mapped_column(LargeBinary)  # canonical signed Submission
     payload_hash: Mapped[str] = mapped_column(String(64))
     payload_bytes: Mapped[int] = mapped_column(BigInteger)
@@ -168,7 +168,7 @@ class Event(Base):
     kind: Mapped[str] = mapped_column(String(32))
     body: Mapped[bytes] = mapped_column(LargeBinary)
     prev_hash: Mapped[str] = mapped_column(String(64))
-    hash: Mapped[str] = mapped_column(String(64), unique=True)
+    hash: Mapped[str] = mapped_column(String(64))  # unique: it commits to (run, seq)
 
 
 class Checkpoint(Base):

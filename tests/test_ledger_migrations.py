@@ -104,3 +104,18 @@ def test_a_migrated_store_keeps_working(tmp_path):
     with again.sessions() as s:
         assert s.query(t.Verdict).count() == 1
     again.engine.dispose()
+
+
+def test_digests_are_unique_through_the_keys_they_commit_to(ledger_url):
+    """0004 dropped the unique indexes of events.hash and submissions.digest (random
+    B-trees every insert updated); the keys those digests commit to stay unique."""
+    store = make_store(ledger_url)
+    try:
+        insp = inspect(store.engine)
+        uniques = {table: [u["column_names"] for u in insp.get_unique_constraints(table)]
+                   for table in ("events", "submissions")}
+        assert ["hash"] not in uniques["events"] and ["run_id", "seq"] in uniques["events"]
+        assert ["digest"] not in uniques["submissions"]
+        assert ["run_id", "round", "worker"] in uniques["submissions"]
+    finally:
+        store.engine.dispose()
