@@ -17,8 +17,9 @@ registered workers each submitting once per round, until the chain holds
 * ``verify``: the run's export file (``GET /v1/runs/{run}/export``) checked
   offline (``verify_export_file``: every hash and link, the ledger's
   checkpoints, the signatures no certificate covers, every certificate in
-  batches, every verdict row): rows per second, file reading included.
-  ``--full`` also times full mode (every Ed25519 signature, all cores).
+  batches, every verdict row), the file read in byte ranges on all cores:
+  rows per second, file reading included. ``--full`` also times full mode
+  (every Ed25519 signature, all cores).
 
 The last line is the one the issue tracks::
 
