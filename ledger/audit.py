@@ -30,14 +30,14 @@ from .export import (
     scan_export_chunk,
     verdict_views,
 )
-from .verify import AuditResult, check_views, fork_pool, verify_log, verify_scans
+from .verify import AuditResult, check_views, fork_pool, gc_paused, verify_log, verify_scans
 
 __all__ = ["AuditResult", "fetch_events", "fetch_verdicts", "format_report", "format_result",
            "run_audit", "verify_events", "verify_export_file"]
 
 PAGE = 1000
 #: Export files from this size on are read on several processes, in ranges of at least
-#: CHUNK_MIN_BYTES (about four per process, so that none waits long for the last one).
+#: CHUNK_MIN_BYTES (about six per process, so that none waits long for the last one).
 PARALLEL_MIN_BYTES = 8 << 20
 CHUNK_MIN_BYTES = 4 << 20
 
@@ -81,6 +81,12 @@ def verify_export_chunks(path: Path, *, processes: int | None = None,
     in the ledger's layout (the caller then reads it with :func:`read_export_file`).
     ``chunk_bytes`` (tests): cut the file in ranges of about that many bytes.
     """
+    with gc_paused():
+        return _verify_chunks(path, processes, chunk_bytes)
+
+
+def _verify_chunks(path: Path, processes: int | None, chunk_bytes: int | None
+                   ) -> AuditResult | None:
     n_proc = processes if processes is not None else (os.cpu_count() or 1)
     with path.open("rb") as fh:
         header_line = fh.readline()
@@ -93,14 +99,21 @@ def verify_export_chunks(path: Path, *, processes: int | None = None,
         ranges = line_ranges(path, len(header_line), size, size // chunk_bytes + 1,
                              chunk_bytes)
     else:
-        ranges = line_ranges(path, len(header_line), size, 4 * n_proc if parallel else 1,
+        ranges = line_ranges(path, len(header_line), size, 6 * n_proc if parallel else 1,
                              CHUNK_MIN_BYTES if parallel else size)
     pool = fork_pool(n_proc) if parallel else None
     try:
         if pool is not None:
             futures = [pool.submit(scan_export_chunk, str(path), a, b, run_id)
                        for a, b in ranges]
-            chunks = [f.result() for f in futures]
+            # This process scans too, from the last range back, while the pool works
+            # from the first; it stops at a range a worker has started.
+            here = {}
+            for k in range(len(ranges) - 1, -1, -1):
+                if not futures[k].cancel():
+                    break
+                here[k] = scan_export_chunk(str(path), *ranges[k], run_id)
+            chunks = [here[k] if k in here else f.result() for k, f in enumerate(futures)]
         else:
             chunks = [scan_export_chunk(str(path), a, b, run_id) for a, b in ranges]
         ends = [c for c in chunks if c.end is not None]
@@ -111,14 +124,17 @@ def verify_export_chunks(path: Path, *, processes: int | None = None,
         if end.get("events") != sum(s.n for s in scans) or end.get("verdicts") != n_verdicts:
             return None
 
+        where: dict[int, int] = {}
+
         def load(indices: list[int]) -> dict[int, ChainRow]:
             """Rows the scans did not keep, read again from their lines."""
-            where, base = {}, 0
-            for scan in scans:
-                where.update(zip(map(base.__add__, scan.subs), scan.sub_offsets,
-                                 strict=True))
-                where.update((base + k, off) for k, off in scan.row_offsets.items())
-                base += scan.n
+            if not where:
+                base = 0
+                for scan in scans:
+                    where.update(zip(map(base.__add__, scan.subs), scan.sub_offsets,
+                                     strict=True))
+                    where.update((base + k, off) for k, off in scan.row_offsets.items())
+                    base += scan.n
             return read_event_rows(path, {i: where[i] for i in indices}, run_id)
 
         done = verify_scans(scans, None, ledger_key, processes=n_proc, pool=pool, load=load)

@@ -31,7 +31,7 @@ from . import schema as t
 from .chain import ChainRow
 from .lists import VerdictFilter, iter_verdicts
 from .store import NotFound
-from .verify import Columns, Scan, Scanner
+from .verify import Columns, Scan, Scanner, gc_paused
 
 FORMAT = "veritrain-ledger-export/1"
 PAGE = 2000
@@ -236,6 +236,11 @@ def _event_row(obj: Any, run_id: str) -> ChainRow:
 
 def scan_export_chunk(path: str, start: int, stop: int, run_id: str) -> ChunkScan:
     """Scan the lines of ``[start, stop)`` of an export file (run in a worker process)."""
+    with gc_paused():
+        return _scan_chunk(path, start, stop, run_id)
+
+
+def _scan_chunk(path: str, start: int, stop: int, run_id: str) -> ChunkScan:
     scanner = Scanner(render=True)
     out = ChunkScan(scanner.scan)
     spans = out.verdict_spans
