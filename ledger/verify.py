@@ -68,8 +68,6 @@ from .chain import GENESIS_HASH, ChainRow, is_valid_checkpoint
 #: Signed kinds opened (signature verified) in every mode: a few rows per round.
 ALWAYS_OPENED = {"run_spec": RunSpec, "beacon_share": BeaconShare,
                  "round_result": RoundResult}
-#: Kinds the scan reduces to less than their row (the pass never reads their bodies).
-REDUCED_KINDS = frozenset({"submission", "receipt"})
 #: Fields of a verdict row served by the API that must equal the certified result.
 VIEW_FIELDS = ("status", "reason", "detail", "spot_checked", "distance", "samples", "quality",
                "score", "reward")
