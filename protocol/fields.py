@@ -105,19 +105,29 @@ def list_of(inner: Checker, max_len: int) -> Checker:
     return check
 
 
-def record(schema: Mapping[str, Checker]) -> Checker:
-    """A JSON object with exactly the keys of ``schema``."""
+def record(schema: Mapping[str, Checker], *, absent_ok: frozenset[str] = frozenset()) -> Checker:
+    """A JSON object with exactly the keys of ``schema``.
+
+    Keys in ``absent_ok`` (fields added in a later revision of the protocol)
+    may be missing; they then stay missing in the result, so that the
+    re-encoded body, and with it the signature, is the one that was signed.
+    Readers take their defaults from the accessor that owns the field.
+    """
 
     def check(value: Any, path: str) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise EncodingError(f"{path}: expected an object")
-        missing = set(schema) - set(value)
+        missing = set(schema) - set(value) - absent_ok
         extra = set(value) - set(schema)
         if missing or extra:
             raise EncodingError(
                 f"{path}: missing fields {sorted(missing)}, unexpected fields {sorted(extra)}"
             )
-        return {key: checker(value[key], f"{path}.{key}") for key, checker in schema.items()}
+        return {
+            key: checker(value[key], f"{path}.{key}")
+            for key, checker in schema.items()
+            if key in value
+        }
 
     return check
 

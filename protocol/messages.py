@@ -167,7 +167,9 @@ VERIFICATION = f.record(
         "vesting_rounds": f.integer(0, MAX_ROUND),
         "probe_examples": f.integer(0, 1 << 16),
         "probe_factor": f.number(0.0, 1e6),
-    }
+    },
+    # Added with the probe filter: specs signed before it have no probe (both 0).
+    absent_ok=frozenset({"probe_examples", "probe_factor"}),
 )
 LIMITS = f.record({"max_payload_bytes": f.integer(1, 1 << 34)})
 REWARDS = f.record({"per_round": f.number(0.0, 1e18)})
@@ -221,6 +223,12 @@ class RunSpec(Message):
         "validators": f.list_of(VALIDATOR_INFO, 256),
         "quorum": f.integer(1, 256),
     }
+
+    @property
+    def probe(self) -> tuple[int, float]:
+        """``(probe_examples, probe_factor)``; ``(0, 0.0)`` (no probe filter) when absent."""
+        v = self.verification
+        return int(v.get("probe_examples", 0)), float(v.get("probe_factor", 0.0))
 
     def validator_index(self, ed25519_hex: str) -> int | None:
         for i, v in enumerate(self.validators):

@@ -9,12 +9,15 @@ from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import (
     Receipt,
     Registration,
+    RunSpec,
     Submission,
     decode_signed,
     open_signed,
     sign,
 )
 from veritrain.protocol.signing import compute_signing_root
+
+from veritrain.synthetic import make_synthetic_run
 
 WORKER = Identity.generate("worker")
 OTHER = Identity.generate("worker")
@@ -135,3 +138,39 @@ def test_invalid_non_canonical_bytes_are_refused():
 def test_messages_are_immutable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         _sub().round = 4  # type: ignore[misc]
+
+
+def _spec_with_verification(**changes):
+    run = make_synthetic_run("compat-run", [Identity.generate("validator")])
+    verification = {**run.spec.verification, **changes}
+    for key in [k for k, v in changes.items() if v is None]:
+        del verification[key]
+    body = {**run.spec.to_body(), "verification": verification}
+    return run, sign(run.organiser, RunSpec.from_body(body))
+
+
+def test_run_spec_signed_before_the_probe_filter_still_opens_unchanged():
+    _run, old = _spec_with_verification(probe_examples=None, probe_factor=None)
+    wire = old.encode()
+    opened = decode_signed(wire, RunSpec)
+    assert "probe_examples" not in opened.message.verification
+    assert opened.message.probe == (0, 0.0)  # no probe filter for such runs
+    assert opened.encode() == wire  # the body stays as signed: no field filled in
+    _run, new = _spec_with_verification(probe_examples=16, probe_factor=5.0)
+    assert decode_signed(new.encode(), RunSpec).message.probe == (16, 5.0)
+
+
+def test_invalid_run_spec_fields_other_than_the_late_ones_are_still_required():
+    _run, good = _spec_with_verification()
+    body = good.message.to_body()
+    for key in ("tolerance", "norm_factor"):
+        broken = {**body, "verification": {k: v for k, v in body["verification"].items()
+                                           if k != key}}
+        with pytest.raises(EncodingError, match=f"missing fields \\['{key}'\\]"):
+            RunSpec.from_body(broken)
+    extra = {**body, "verification": {**body["verification"], "probe_bias": 1}}
+    with pytest.raises(EncodingError, match="unexpected fields"):
+        RunSpec.from_body(extra)
+    wrong = {**body, "verification": {**body["verification"], "probe_factor": -1}}
+    with pytest.raises(EncodingError, match="probe_factor"):
+        RunSpec.from_body(wrong)

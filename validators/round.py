@@ -150,11 +150,11 @@ def process_round(
                checks=checks.get(worker, []))
         del decoded[worker]
 
-    probe = spec.verification
-    if probe["probe_examples"] > 0 and probe["probe_factor"] > 0:
-        rows = probe_rows(run, beacon_seed, round_index, probe["probe_examples"])
+    probe_examples, probe_factor = spec.probe
+    if probe_examples > 0 and probe_factor > 0:
+        rows = probe_rows(run, beacon_seed, round_index, probe_examples)
         gains = probe_gains(run, base_flat, decoded, rows, device=device)
-        for worker, detail in loss_regressions(gains, probe["probe_factor"]).items():
+        for worker, detail in loss_regressions(gains, probe_factor).items():
             reject(by_worker[worker], "loss_regression", detail,
                    spot_checked=bool(checks.get(worker)), distance=distances.get(worker),
                    checks=checks.get(worker, []))

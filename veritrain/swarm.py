@@ -121,8 +121,8 @@ class Swarm:
             return A.mimic(honest, f)
         params = resolve_aggregator_params(self.run.spec.aggregator["params"], honest)
         agg = build_aggregator(self.run.spec.aggregator["name"], params, seed=r)
-        v = self.run.spec.verification
-        if v["probe_examples"] > 0 and v["probe_factor"] > 0:
+        probe_examples, probe_factor = self.run.spec.probe
+        if probe_examples > 0 and probe_factor > 0:
             agg = self._probe_aware(agg, r)
         if attack == "optimal_alie":
             return A.optimal_alie(honest, f, agg)
@@ -134,13 +134,13 @@ class Swarm:
         on a batch of its own (the public training data; the round's probe batch comes from
         a beacon it cannot know), then the aggregator. The optimal attacks line-search
         against this, so they find the largest scale that still passes the filter."""
-        v = self.run.spec.verification
-        rows = probe_rows(self.run, b"an attacker's own probe batch", r, v["probe_examples"])
+        probe_examples, probe_factor = self.run.spec.probe
+        rows = probe_rows(self.run, b"an attacker's own probe batch", r, probe_examples)
 
         def filtered(updates: torch.Tensor) -> torch.Tensor:
             gains = probe_gains(self.run, self.base, {str(i): u for i, u in enumerate(updates)},
                                 rows, device=self.device)
-            dropped = loss_regressions(gains, v["probe_factor"])
+            dropped = loss_regressions(gains, probe_factor)
             return agg(updates[[i for i in range(len(updates)) if str(i) not in dropped]])
 
         return filtered
