@@ -59,8 +59,10 @@ __all__ = [
 
 #: Columns per step of the raw Gram (views of the input: no copy, unless extra
 #: points are stacked on; the batched product holds RAW_CHUNK / SUBBLOCK small
-#: [P, P] float32 results).
-RAW_CHUNK = 1 << 17
+#: [P, P] float32 results).  Large: one batched product over 4M columns runs
+#: about 15% faster than 32 chunks shared by Python threads (measured at
+#: N = 16 on 2 cores), since the product is compute-bound, not memory-bound.
+RAW_CHUNK = 1 << 22
 #: Columns per step of the centered Gram; its buffer is P x this.
 CENTERED_CHUNK = 1 << 16
 #: float32 products are summed over at most this many columns before float64.
