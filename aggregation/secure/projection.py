@@ -263,17 +263,20 @@ def check_shard_result(
     d = result.distances.numpy()
     c = np.where(d > tau, tau / np.maximum(d, tau), 1.0)  # fixed_point_coefficients, in numpy
     a = w * c / (w * c).sum()
-    pred = np.tensordot(a, xg, axes=1)  # [k, BLOCK]: sum_i a_i x_is
-    tol = ETA_V * np.tensordot(np.abs(a), np.abs(xg), axes=1) + TINY
-    ratio = np.abs(vg - pred) / tol
+    k = len(idx)
+    x2, v1 = xg.reshape(n_rows, k * BLOCK), vg.reshape(k * BLOCK)
+    pred = a @ x2  # sum_i a_i x_is on every coordinate read
+    tol = ETA_V * (a @ np.abs(x2)) + TINY  # a >= 0, so sum_i |a_i x_is| = a . |x_s|
+    ratio = np.abs(v1 - pred) / tol
     if valid is not None:
-        ratio *= valid
+        ratio *= valid.reshape(-1)
     bad = np.flatnonzero(~(ratio <= 1))  # NaN in v counts as a violation
     worst_v = float(ratio.max()) if ratio.size else 0.0
     suspects = tuple(sorted({int(start + flat[i]) for i in bad[:64]}))[:8]
 
-    diff = xg - vg  # partial-block padding is 0 - 0
-    y = np.einsum("ikb,ikb->ik", diff, diff)  # [N, |H| + m]: Y_ib per block read
+    diff = x2 - v1  # partial-block padding is 0 - 0
+    diff *= diff
+    y = diff.reshape(n_rows, k, BLOCK).sum(2)  # [N, |H| + m]: Y_ib per block read
     if full:
         est = y.sum(1)
         se = np.zeros(n_rows)
