@@ -95,3 +95,22 @@ def test_clipping_outliers_in_float32_matches_float64():
         out32 = agg(x).double()
         out64 = agg(x.double())
         assert float((out32 - out64).norm() / out64.norm()) < 1e-5
+
+
+def test_concurrent_callers_share_the_chunk_pool_and_get_their_own_results():
+    """Validators may aggregate from several threads at once: the shared pool of
+    column workers must neither mix their chunks nor deadlock."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from veritrain.aggregation import build_aggregator
+
+    gen = torch.Generator().manual_seed(7)
+    inputs = [torch.randn(9, 300_000, generator=gen) * (k + 1) for k in range(6)]
+    rules = [CenteredClip(tau=50.0, iterations=5), GeometricMedian(),
+             build_aggregator("krum", {"f": 2})]
+    jobs = [(rule, x) for rule in rules for x in inputs]
+    alone = [rule(x) for rule, x in jobs]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda job: job[0](job[1]), jobs))
+    for a, b in zip(alone, together, strict=True):
+        assert torch.equal(a, b)
