@@ -37,6 +37,7 @@ from veritrain.protocol.messages import (
 from . import queries
 from .blobs import BlobStore
 from .challenges import challenges_view
+from .ingest import Incoming, SubmissionBatcher
 from .ratelimit import LIMITS, RateLimits, charge_signer, ratelimit_middleware
 from .store import Conflict, LedgerStore
 from .uploads import (
@@ -95,6 +96,11 @@ class Ledger:
     config: LedgerConfig
     writer: ThreadPoolExecutor
     readers: ThreadPoolExecutor
+    #: Submissions that arrive while the writer is busy share its next transaction.
+    batcher: SubmissionBatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.batcher = SubmissionBatcher(self.store, self.writer)
 
     async def write(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.writer, fn, *args)
@@ -288,7 +294,7 @@ async def submit(request: web.Request) -> web.Response:
     digest, size = await part_to_blob(request, reader, "payload", sub.payload_bytes,
                                       sub.payload_hash)
     try:
-        receipt = await ledger.write(ledger.store.accept_submission, signed, digest, size)
+        receipt = await ledger.batcher.accept(Incoming(signed, digest, size, raw=env_raw))
     except Conflict:
         if (done := await ledger.read(ledger.store.recorded_receipt, signed)) is not None:
             return web.json_response(done.to_wire())
