@@ -213,3 +213,42 @@ def test_token_bucket_refills_at_its_rate():
     buckets.take("b"), buckets.take("c")  # at most two keys are remembered
     assert "a" not in buckets._buckets
     assert hashlib  # (imported for the module's helpers)
+
+
+def test_concurrent_submissions_committed_together_keep_their_own_outcomes(tmp_path):
+    """Group commit: requests arriving together share a transaction, yet each gets
+    the answer it would get alone: a byte-identical resend gets the same receipt, a
+    second different envelope from one worker 409, everyone else a receipt."""
+    run = make_fake_run("group-run", schedule={"round_seconds": 3600.0,
+                                               "min_submissions": 100, "max_rounds": 3})
+    workers = [Identity.generate("worker") for _ in range(12)]
+
+    async def scenario(api):
+        assert (await api.create_run(run))[0] == 201
+        for w in workers:
+            assert (await api.register(run, w))[1]["new"] is True
+        subs = [make_submission(run, w, PAYLOAD + bytes([i])) for i, w in enumerate(workers)]
+        twin = make_submission(run, workers[1], PAYLOAD + b"other", loss_last=1.5)
+        sends = [(s, PAYLOAD + bytes([i])) for i, s in enumerate(subs)]
+        sends += [(subs[0], PAYLOAD + bytes([0])), (twin, PAYLOAD + b"other")]
+        got = await asyncio.gather(*(api.submit(s, p) for s, p in sends))
+        statuses = [status for status, _ in got]
+        assert statuses[2:12] == [201] * 10
+        # worker 0 sent the same envelope twice: one 201 and one 200, same receipt
+        assert sorted([statuses[0], statuses[12]]) == [200, 201]
+        assert got[0][1] == got[12][1]
+        # worker 1 sent two different envelopes: exactly one was recorded
+        assert sorted([statuses[1], statuses[13]]) == [201, 409]
+        loser = got[13] if statuses[13] == 409 else got[1]
+        assert loser[1]["reason"] == "duplicate"
+        with api.store.sessions() as s:
+            rows = s.execute(select(t.Submission.worker, t.Submission.digest)).all()
+            receipts = s.execute(select(func.count()).select_from(t.Event)
+                                 .where(t.Event.kind == "receipt")).scalar_one()
+        assert sorted(w for w, _ in rows) == sorted(w.public_key.hex() for w in workers)
+        assert receipts == len(workers)
+        kept = next(d for w, d in rows if w == workers[1].public_key.hex())
+        winner = subs[1] if statuses[1] == 201 else twin
+        assert kept == winner.digest
+
+    run_api(tmp_path, scenario)
