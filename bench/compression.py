@@ -43,7 +43,13 @@ from veritrain.protocol.codecs import (
     Codec,
     ErrorFeedback,
     get_codec,
+    layout_for,
 )
+
+#: Placeholder for ``lowrank``'s ``layout`` param: the micro benchmark puts a synthetic
+#: GPT-like layout of its vector (:func:`synthetic_layout`), the end-to-end runs the
+#: layout of the trained model (:func:`model_layout`), as a run spec would.
+MODEL_LAYOUT = "<model>"
 
 #: (label, codec name, params) benchmarked by default; the run default is marked in the table.
 CONFIGS: list[tuple[str, str, dict[str, object]]] = [
@@ -59,7 +65,35 @@ CONFIGS: list[tuple[str, str, dict[str, object]]] = [
     ("topk+dct64 64/4096 1b", "topk", {"chunk": 4096, "k": 64, "value_bits": 1, "dct_block": 64}),
     ("cocktail 1/8 96 4b", "cocktail", {"chunk": 4096, "sample": 8, "k": 96, "value_bits": 4}),
     ("cocktail 1/4 48 1b", "cocktail", {"chunk": 4096, "sample": 4, "k": 48, "value_bits": 1}),
+    ("lowrank r6 4b", "lowrank", {"rank": 6, "bits": 4, "layout": MODEL_LAYOUT}),
 ]
+
+
+def synthetic_layout(numel: int) -> str:
+    """A GPT-like ``lowrank`` layout for the micro benchmark's flat vector: blocks of
+    [384x128, 128x128, 512x128, 128x512] matrices, the rest (under 1 block) a vector."""
+    block = ["384x128", "128x128", "512x128", "128x512"]
+    n = numel // 196_608
+    rest = numel - 196_608 * n
+    return ",".join(block * n + ([str(rest)] if rest else []))
+
+
+def model_layout(settings: Mapping[str, Any]) -> str:
+    """The ``lowrank`` layout of the model a run's settings build (from its param shapes)."""
+    from veritrain.protocol.organiser import task_params
+    from veritrain.protocol.tasks import load_task
+    from veritrain.protocol.tensors import param_shapes
+
+    name, params = task_params(dict(settings["task"]))
+    return layout_for(param_shapes(load_task(name, params).make_model()))
+
+
+def resolve_layout(params: Mapping[str, object], layout: Callable[[], str]) -> dict[str, object]:
+    """``params`` with the :data:`MODEL_LAYOUT` placeholder replaced by ``layout()``."""
+    out = dict(params)
+    if out.get("layout") == MODEL_LAYOUT:
+        out["layout"] = layout()
+    return out
 
 
 def pseudo_gradients(
@@ -140,7 +174,7 @@ def run_microbench(
     rows = []
     seen_default = False
     for label, name, params in configs:
-        codec = get_codec(name, params)
+        codec = get_codec(name, resolve_layout(params, lambda: synthetic_layout(numel)))
         row = bench_codec(codec, updates, repeats=repeats)
         row["label"] = label
         row["default"] = codec == default
@@ -160,6 +194,7 @@ E2E_CODECS: list[tuple[str, str, dict[str, object]]] = [
     ("topk 64/4096 1b", "topk", {"chunk": 4096, "k": 64, "value_bits": 1}),
     ("topk+dct64 64/4096 1b", "topk", {"chunk": 4096, "k": 64, "value_bits": 1, "dct_block": 64}),
     ("cocktail 1/4 48 1b", "cocktail", {"chunk": 4096, "sample": 4, "k": 48, "value_bits": 1}),
+    ("lowrank r6 4b", "lowrank", {"rank": 6, "bits": 4, "layout": MODEL_LAYOUT}),
 ]
 
 
@@ -172,7 +207,8 @@ def _e2e_run(job: tuple[str, str, dict[str, object], int, int, str]) -> dict[str
     label, name, params, workers, rounds, preset = job
     torch.set_num_threads(1)
     settings = run_preset(preset)
-    settings["codec"] = {"name": name, "params": dict(params)}
+    settings["codec"] = {"name": name,
+                         "params": resolve_layout(params, lambda: model_layout(settings))}
     # Spot checks cost time and change nothing here: every worker is honest.
     settings["verification"].update(challenges_per_worker=0.0, always_last=False,
                                     spot_checks_per_round=0)

@@ -424,7 +424,9 @@ def test_cocktail_payload_depends_on_seed() -> None:
 
 
 def test_registry_names_and_canonical_params() -> None:
-    assert set(CODEC_NAMES) == {"fp32", "fp16", "bf16", "int8", "int4", "topk", "cocktail"}
+    assert set(CODEC_NAMES) == {
+        "fp32", "fp16", "bf16", "int8", "int4", "topk", "cocktail", "lowrank"
+    }
     assert DEFAULT_CODEC in CODEC_NAMES
     for name in CODEC_NAMES:
         codec = get_codec(name)

@@ -31,6 +31,7 @@ CASES = [
     ("topk", {"chunk": 100, "k": 7, "value_bits": 3}),
     ("topk", {"chunk": 64, "k": 6, "value_bits": 2, "dct_block": 32}),
     ("cocktail", {"chunk": 60, "sample": 4, "k": 5, "value_bits": 4}),
+    ("lowrank", {"layout": "12x9,5,7x20", "rank": 2, "bits": 3, "vec_block": 16}),
 ]
 IDS = [f"{n}-{i}" for i, (n, _) in enumerate(CASES)]
 NUMEL = 301

@@ -9,13 +9,17 @@ from .base import BaseCodec, Codec, ParamValue
 from .blockwise import Int4Codec, Int8Codec
 from .cocktail import CocktailCodec
 from .float import Bf16Codec, Fp16Codec, Fp32Codec
+from .lowrank import LowRankCodec
 from .topk import TopKCodec
 
 __all__ = ["CODEC_NAMES", "DEFAULT_CODEC", "DEFAULT_CODEC_PARAMS", "default_codec", "get_codec"]
 
 _CODECS: dict[str, type[BaseCodec]] = {
     cls.name: cls
-    for cls in (Fp32Codec, Fp16Codec, Bf16Codec, Int8Codec, Int4Codec, TopKCodec, CocktailCodec)
+    for cls in (
+        Fp32Codec, Fp16Codec, Bf16Codec, Int8Codec, Int4Codec, TopKCodec, CocktailCodec,
+        LowRankCodec,
+    )
 }
 
 CODEC_NAMES: tuple[str, ...] = tuple(_CODECS)
