@@ -9,11 +9,18 @@ certificates: the ledger rows an auditor checks.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from fakes import FakeRun, make_fake_run, make_submission
+from veritrain.ledger.chain import (
+    GENESIS_HASH,
+    ChainRow,
+    checkpoint_signing_root,
+    compute_event_hash,
+)
 from veritrain.ledger.store import LedgerStore
 from veritrain.protocol.beacon import beacon_seed_of
 from veritrain.protocol.identity import Identity
@@ -125,3 +132,15 @@ def make_store(url: str) -> LedgerStore:
 def quick_run(run_id: str = "audit-run", **overrides: Any) -> FakeRun:
     schedule = {"round_seconds": 3600.0, "min_submissions": 1, "max_rounds": 50}
     return make_fake_run(run_id, schedule=schedule, **overrides)
+
+
+def rechain(rows: list[ChainRow], key: Identity) -> list[ChainRow]:
+    """What a ledger operator can do with its own key: re-hash and re-sign every row."""
+    out, prev = [], GENESIS_HASH
+    for row in rows:
+        h = compute_event_hash(prev, row.seq, row.kind, row.body)
+        sig = (key.sign_ed25519(checkpoint_signing_root(row.run_id, row.seq, h)).hex()
+               if row.checkpoint is not None else None)
+        out.append(dataclasses.replace(row, prev_hash=prev, hash=h, checkpoint=sig))
+        prev = h
+    return out

@@ -16,10 +16,19 @@ from pathlib import Path
 
 import pytest
 from ledger_harness import run_api
-from ledger_scenarios import COPIER, FREE_RIDER, HONEST, SPOT_FAIL, make_store, play_run, quick_run
+from ledger_scenarios import (
+    COPIER,
+    FREE_RIDER,
+    HONEST,
+    SPOT_FAIL,
+    make_store,
+    play_run,
+    quick_run,
+    rechain,
+)
 from veritrain.ledger import verify
 from veritrain.ledger.audit import run_audit, verify_events, verify_export_file
-from veritrain.ledger.chain import ChainRow, checkpoint_signing_root, compute_event_hash
+from veritrain.ledger.chain import ChainRow
 from veritrain.ledger.export import ExportError, read_export_file
 from veritrain.protocol.encoding import decode_canonical, encode_canonical
 from veritrain.protocol.identity import Identity
@@ -52,18 +61,6 @@ def rows_of(db: Path) -> list[ChainRow]:
                     "SELECT e.seq, e.kind, e.body, e.prev_hash, e.hash, c.signature FROM events e "
                     "LEFT JOIN checkpoints c ON c.run_id = e.run_id AND c.seq = e.seq "
                     "WHERE e.run_id = ? ORDER BY e.seq", (RUN,))]
-
-
-def rechain(rows: list[ChainRow], key: Identity) -> list[ChainRow]:
-    """What a ledger operator can do with its own key: re-hash and re-sign everything."""
-    out, prev = [], "0" * 64
-    for row in rows:
-        h = compute_event_hash(prev, row.seq, row.kind, row.body)
-        sig = (key.sign_ed25519(checkpoint_signing_root(RUN, row.seq, h)).hex()
-               if row.checkpoint is not None else None)
-        out.append(dataclasses.replace(row, prev_hash=prev, hash=h, checkpoint=sig))
-        prev = h
-    return out
 
 
 def first(rows: list[ChainRow], kind: str, nth: int = 0) -> int:

@@ -22,11 +22,12 @@ from ledger_scenarios import (
     make_store,
     play_run,
     quick_run,
+    rechain,
     register,
 )
 from veritrain.ledger import audit, verify
 from veritrain.ledger.audit import verify_export_chunks
-from veritrain.ledger.chain import ChainRow, checkpoint_signing_root, compute_event_hash
+from veritrain.ledger.chain import ChainRow
 from veritrain.ledger.export import ExportError, export_lines, line_ranges, read_export_file
 from veritrain.protocol.identity import Identity
 
@@ -108,17 +109,6 @@ def event_rows(data: bytes) -> list[ChainRow]:
     return [ChainRow(o["seq"], RUN, o["kind"], o["body"].encode(), o["prev_hash"], o["hash"],
                      o["checkpoint"])
             for o in map(json.loads, lines_of(data)) if o["type"] == "event"]
-
-
-def rechain(rows: list[ChainRow], key: Identity) -> list[ChainRow]:
-    out, prev = [], "0" * 64
-    for row in rows:
-        h = compute_event_hash(prev, row.seq, row.kind, row.body)
-        sig = (key.sign_ed25519(checkpoint_signing_root(RUN, row.seq, h)).hex()
-               if row.checkpoint is not None else None)
-        out.append(dataclasses.replace(row, prev_hash=prev, hash=h, checkpoint=sig))
-        prev = h
-    return out
 
 
 def boundary_rows(path: Path, chunk_bytes: int) -> list[int]:
