@@ -39,7 +39,7 @@ from .blobs import BlobStore
 from .challenges import challenges_view
 from .ingest import Incoming, SubmissionBatcher
 from .ratelimit import LIMITS, RateLimits, charge_signer, ratelimit_middleware
-from .store import Conflict, LedgerStore
+from .store import LedgerStore
 from .uploads import (
     BodyClock,
     UploadPolicy,
@@ -290,12 +290,14 @@ async def submit(request: web.Request) -> web.Response:
     # A retry of a recorded submission (its reply was lost) gets the same receipt, 200.
     if (done := await ledger.read(ledger.store.recorded_receipt, signed)) is not None:
         return web.json_response(done.to_wire())
-    await ledger.write(ledger.store.precheck_submission, signed)
-    digest, size = await part_to_blob(request, reader, "payload", sub.payload_bytes,
-                                      sub.payload_hash)
     try:
+        await ledger.write(ledger.store.precheck_submission, signed)
+        digest, size = await part_to_blob(request, reader, "payload", sub.payload_bytes,
+                                          sub.payload_hash)
         receipt = await ledger.batcher.accept(Incoming(signed, digest, size, raw=env_raw))
-    except Conflict:
+    except RejectedInput:
+        # A twin of this envelope sent concurrently may have been recorded since the check
+        # above (as a duplicate, or closing the round): it still gets that receipt, 200.
         if (done := await ledger.read(ledger.store.recorded_receipt, signed)) is not None:
             return web.json_response(done.to_wire())
         raise

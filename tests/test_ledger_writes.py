@@ -252,3 +252,39 @@ def test_concurrent_submissions_committed_together_keep_their_own_outcomes(tmp_p
         assert kept == winner.digest
 
     run_api(tmp_path, scenario)
+
+
+def test_resend_recorded_while_in_flight_gets_the_receipt_not_a_conflict(tmp_path):
+    """The interleaving the group-commit test can only hit by chance: a resend passes the
+    "already recorded?" check, then its twin commits before the resend's own checks run.
+    The resend must still get the twin's receipt with 200, never 409."""
+    run = make_fake_run("race-run", schedule={"round_seconds": 3600.0,
+                                              "min_submissions": 100, "max_rounds": 3})
+    worker = Identity.generate("worker")
+
+    async def scenario(api):
+        assert (await api.create_run(run))[0] == 201
+        assert (await api.register(run, worker))[1]["new"] is True
+        sub = make_submission(run, worker, PAYLOAD)
+        status, first = await api.submit(sub, PAYLOAD)
+        assert status == 201
+        store = api.store
+        real = type(store).recorded_receipt
+        calls = []
+
+        def stale_first_look(self, s, signed):
+            calls.append(signed.digest)
+            return None if len(calls) == 1 else real(self, s, signed)
+
+        store.recorded_receipt = stale_first_look.__get__(store)
+        try:
+            status, again = await api.submit(sub, PAYLOAD)
+        finally:
+            del store.recorded_receipt
+        assert len(calls) == 2  # the stale look, then the look after the refusal
+        assert (status, again) == (200, first)
+        other = make_submission(run, worker, PAYLOAD + b"x", loss_last=1.5)
+        status, body = await api.submit(other, PAYLOAD + b"x")
+        assert (status, body["reason"]) == (409, "duplicate")
+
+    run_api(tmp_path, scenario)
