@@ -40,16 +40,15 @@ import torch
 from veritrain.protocol.codecs import (
     DEFAULT_CODEC,
     DEFAULT_CODEC_PARAMS,
+    MODEL_LAYOUT,
     Codec,
     ErrorFeedback,
     get_codec,
-    layout_for,
 )
 
-#: Placeholder for ``lowrank``'s ``layout`` param: the micro benchmark puts a synthetic
-#: GPT-like layout of its vector (:func:`synthetic_layout`), the end-to-end runs the
-#: layout of the trained model (:func:`model_layout`), as a run spec would.
-MODEL_LAYOUT = "<model>"
+#: ``lowrank`` configs say ``"layout": "model"`` as a run spec would: the end-to-end
+#: runs bind it to the trained model (the run context does), the micro benchmark to a
+#: synthetic GPT-like layout of its flat vector (:func:`synthetic_layout`).
 
 #: (label, codec name, params) benchmarked by default; the run default is marked in the table.
 CONFIGS: list[tuple[str, str, dict[str, object]]] = [
@@ -78,18 +77,8 @@ def synthetic_layout(numel: int) -> str:
     return ",".join(block * n + ([str(rest)] if rest else []))
 
 
-def model_layout(settings: Mapping[str, Any]) -> str:
-    """The ``lowrank`` layout of the model a run's settings build (from its param shapes)."""
-    from veritrain.protocol.organiser import task_params
-    from veritrain.protocol.tasks import load_task
-    from veritrain.protocol.tensors import param_shapes
-
-    name, params = task_params(dict(settings["task"]))
-    return layout_for(param_shapes(load_task(name, params).make_model()))
-
-
 def resolve_layout(params: Mapping[str, object], layout: Callable[[], str]) -> dict[str, object]:
-    """``params`` with the :data:`MODEL_LAYOUT` placeholder replaced by ``layout()``."""
+    """``params`` with a ``"model"`` layout replaced by ``layout()`` (for a bare flat vector)."""
     out = dict(params)
     if out.get("layout") == MODEL_LAYOUT:
         out["layout"] = layout()
@@ -207,8 +196,7 @@ def _e2e_run(job: tuple[str, str, dict[str, object], int, int, str]) -> dict[str
     label, name, params, workers, rounds, preset = job
     torch.set_num_threads(1)
     settings = run_preset(preset)
-    settings["codec"] = {"name": name,
-                         "params": resolve_layout(params, lambda: model_layout(settings))}
+    settings["codec"] = {"name": name, "params": dict(params)}
     # Spot checks cost time and change nothing here: every worker is honest.
     settings["verification"].update(challenges_per_worker=0.0, always_last=False,
                                     spot_checks_per_round=0)

@@ -66,7 +66,7 @@ class RunContext:
             dataset=task.load_dataset(dataset_blob),
             shapes=shapes,
             inner=inner_config_from_spec(spec.inner),
-            codec=get_codec(spec.codec["name"], spec.codec["params"]),
+            codec=get_codec(spec.codec["name"], spec.codec["params"]).bind_model(shapes),
         )
 
     @property

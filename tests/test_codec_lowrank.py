@@ -57,6 +57,50 @@ def test_parse_layout_and_layout_for() -> None:
     assert sum(int(np.prod(d)) for d in parse_layout(layout_for(shapes))) == 256 * 128 + 256 + 24 + 1 + MAX_DIM + 1
 
 
+def test_model_layout_binds_to_the_run_model_and_codes_like_the_explicit_one() -> None:
+    shapes = [("emb", (40, 24)), ("b", (24,)), ("proj", (24, 56)), ("g", (8,)), ("out", (16, 16))]
+    assert layout_for(shapes) == LAYOUT
+    unbound = get_codec("lowrank", {"layout": "model", "rank": 3})
+    with pytest.raises(ValueError, match="model shapes"):
+        unbound.encode(rand(LAYOUT_NUMEL))
+    bound = unbound.bind_model(shapes)
+    explicit = get_codec("lowrank", {"layout": LAYOUT, "rank": 3})
+    assert bound.params() == unbound.params() and bound.params()["layout"] == "model"
+    assert explicit.bind_model(shapes) is explicit
+    x = rand(LAYOUT_NUMEL, 3)
+    a, b = bound.encode(x), explicit.encode(x)
+    assert a[HEADER_SIZE:] == b[HEADER_SIZE:]  # same factors; the header digest says "model"
+    assert a[:HEADER_SIZE] != b[:HEADER_SIZE]
+    assert torch.equal(bound.decode(a, LAYOUT_NUMEL), explicit.decode(b, LAYOUT_NUMEL))
+    with pytest.raises(PayloadError, match="digest"):
+        explicit.decode(a, LAYOUT_NUMEL)
+    # Much deeper than a written layout may be: no length limit.
+    deep = [(f"w{i}", (64, 48)) for i in range(2000)]
+    assert len(layout_for(deep)) > 4000
+    codec = unbound.bind_model(deep)
+    assert codec.max_encoded_size(64 * 48 * 2000) < 64 * 48 * 2000 * 4 // 10
+
+
+def test_run_context_binds_a_model_layout() -> None:
+    from veritrain.protocol.identity import Identity
+    from veritrain.protocol.organiser import build_run
+    from veritrain.protocol.presets import run_preset
+    from veritrain.protocol.runtime import RunContext
+
+    settings = run_preset("tiny")
+    settings["codec"] = {"name": "lowrank", "params": {"layout": "model", "rank": 2}}
+    bundle = build_run(Identity.generate("organiser"), "lowrank-run", settings,
+                       [Identity.generate("validator").public])
+    run = RunContext.build(bundle.signed.message, bundle.dataset)
+    assert isinstance(run.codec, LowRankCodec)
+    assert run.codec.layout_dims == parse_layout(layout_for(run.shapes))
+    assert any(len(d) == 2 for d in run.codec.layout_dims)
+    x = rand(run.numel, 5)
+    payload = run.codec.encode(x)
+    assert len(payload) < run.numel  # far below 4 bytes per value: the matrices are factored
+    assert run.codec.decode(payload, run.numel).shape == x.shape
+
+
 @pytest.mark.parametrize(
     ("layout", "match"),
     [("0x5", "bad layout"), ("05", "bad layout"), ("3x", "bad layout"), ("3 x4", "bad layout"),

@@ -8,7 +8,7 @@ from .blockwise import Int4Codec, Int8Codec
 from .cocktail import CocktailCodec
 from .error_feedback import ErrorFeedback
 from .float import Bf16Codec, Fp16Codec, Fp32Codec
-from .lowrank import LowRankCodec, layout_for
+from .lowrank import MODEL_LAYOUT, LowRankCodec, layout_for
 from .registry import CODEC_NAMES, DEFAULT_CODEC, DEFAULT_CODEC_PARAMS, default_codec, get_codec
 from .topk import TopKCodec
 
@@ -27,6 +27,7 @@ __all__ = [
     "Fp32Codec",
     "Int4Codec",
     "Int8Codec",
+    "MODEL_LAYOUT",
     "LowRankCodec",
     "OversizedPayloadError",
     "TopKCodec",

@@ -23,7 +23,7 @@ import hashlib
 import json
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
@@ -94,6 +94,10 @@ class Codec(Protocol):
 
     def decode(self, payload: bytes, numel: int, *, seed: int = 0) -> torch.Tensor:
         """Parse a payload into a 1-D float32 vector of ``numel`` elements."""
+        ...
+
+    def bind_model(self, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> Codec:
+        """This codec for a run whose model has these ``param_shapes`` (in flat order)."""
         ...
 
 
@@ -210,6 +214,11 @@ class BaseCodec(ABC):
                 )
             kwargs[key] = value
         return cls(**kwargs)
+
+    def bind_model(self, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> BaseCodec:
+        """Codecs that read the model's shapes (``lowrank``) override this; the rest
+        work on the flat vector alone."""
+        return self
 
     @property
     def digest(self) -> bytes:

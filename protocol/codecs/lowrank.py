@@ -1,8 +1,10 @@
 """Low-rank (PowerSGD-style) factors of the model's matrices, with low-bit codes.
 
-The run spec gives the parameter layout as the ``layout`` param: a comma
-separated list of ``RxC`` (a row-major matrix) and ``N`` (a vector) entries in
-flat order; elements after the listed ones are vectors too. Each matrix ``M``
+The run spec gives the parameter layout as the ``layout`` param: ``"model"``
+(the shapes of the model the run's task builds, bound by :meth:`LowRankCodec.bind_model`
+when the run context is built) or a comma separated list of ``RxC`` (a
+row-major matrix) and ``N`` (a vector) entries in flat order; elements after
+the listed ones are vectors too. Each matrix ``M``
 is sent as ``M ~= P @ X`` with ``P`` of shape ``(R, r)`` and ``X`` of shape
 ``(r, C)``, ``r = min(rank, R, C)``, found by ``iters`` steps of subspace
 iteration; the vectors are sent with blockwise absmax codes.
@@ -47,12 +49,17 @@ from .bitpack import pack_bits, packed_size, unpack_bits
 from .cocktail import mix64
 from .topk import check_int_param
 
-__all__ = ["MAX_DIM", "MAX_LAYOUT_CHARS", "MAX_RANK", "LowRankCodec", "layout_for", "parse_layout"]
+__all__ = [
+    "MAX_DIM", "MAX_LAYOUT_CHARS", "MAX_RANK", "MODEL_LAYOUT", "LowRankCodec", "layout_for",
+    "parse_layout",
+]
 
 #: Largest matrix side: 2^17 * 2^20 * 2^15 = 2^52 keeps every product sum exact.
 MAX_DIM = 1 << 17
 MAX_RANK = 64
 MAX_LAYOUT_CHARS = 4000
+#: ``layout`` value meaning "the shapes of the run's model" (no length limit, nothing to copy).
+MODEL_LAYOUT = "model"
 MAX_VEC_BLOCK = 1 << 20
 INPUT_BITS = 20
 FACTOR_BITS = 15
@@ -82,14 +89,14 @@ def parse_layout(layout: str) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-def layout_for(shapes: Sequence[tuple[str, tuple[int, ...]]]) -> str:
-    """The ``layout`` param for a model's ``param_shapes`` (in flat order).
+def layout_dims_for(shapes: Sequence[tuple[str, tuple[int, ...]]]) -> tuple[tuple[int, ...], ...]:
+    """The parsed layout of a model's ``param_shapes`` (in flat order).
 
     2-D tensors are matrices, tensors of higher rank are matrices of their
     first dimension by the rest; everything else (and any matrix with a side
     above :data:`MAX_DIM`) is a vector, and consecutive vectors are merged.
     """
-    entries: list[str] = []
+    dims: list[tuple[int, ...]] = []
     pending = 0
     for _, shape in shapes:
         size = int(np.prod(shape, dtype=object)) if shape else 1
@@ -97,14 +104,20 @@ def layout_for(shapes: Sequence[tuple[str, tuple[int, ...]]]) -> str:
         cols = size // rows if rows else 0
         if len(shape) >= 2 and 0 < rows <= MAX_DIM and 0 < cols <= MAX_DIM:
             if pending:
-                entries.append(str(pending))
+                dims.append((pending,))
                 pending = 0
-            entries.append(f"{rows}x{cols}")
+            dims.append((rows, cols))
         else:
             pending += size
     if pending:
-        entries.append(str(pending))
-    return ",".join(entries)
+        dims.append((pending,))
+    return tuple(dims)
+
+
+def layout_for(shapes: Sequence[tuple[str, tuple[int, ...]]]) -> str:
+    """The explicit ``layout`` param for a model's ``param_shapes``: :func:`layout_dims_for`
+    written out (``"model"`` says the same without the length limit)."""
+    return ",".join("x".join(str(d) for d in dims) for dims in layout_dims_for(shapes))
 
 
 Plan = tuple[tuple[tuple[int, int, int, int], ...], tuple[tuple[int, int], ...], int]
@@ -223,8 +236,10 @@ class LowRankCodec(BaseCodec):
         vec_bits: int = 4,
         vec_block: int = 64,
     ) -> None:
-        self.layout_dims = parse_layout(layout)
         self.layout = layout
+        #: None until :meth:`bind_model` when the layout is :data:`MODEL_LAYOUT`.
+        self.layout_dims: tuple[tuple[int, ...], ...] | None = (
+            None if layout == MODEL_LAYOUT else parse_layout(layout))
         self.rank = check_int_param(self.name, "rank", rank, 1, MAX_RANK)
         self.bits = check_int_param(self.name, "bits", bits, 2, 8)
         self.iters = check_int_param(self.name, "iters", iters, 1, 8)
@@ -243,7 +258,21 @@ class LowRankCodec(BaseCodec):
 
     # -- sizes -----------------------------------------------------------------
 
+    def bind_model(self, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> LowRankCodec:
+        """This codec with a ``"model"`` layout resolved to ``shapes`` (the run's model).
+        The params, hence the header digest, still say ``"model"``; an explicit layout
+        is kept as it is."""
+        if self.layout != MODEL_LAYOUT:
+            return self
+        bound = LowRankCodec.from_params(self.params())
+        assert isinstance(bound, LowRankCodec)
+        bound.layout_dims = layout_dims_for(shapes)
+        return bound
+
     def _plan(self, numel: int) -> Plan:
+        if self.layout_dims is None:
+            raise ValueError('lowrank: layout "model" needs the run\'s model shapes '
+                             "(bind_model, done when the run context is built)")
         return _plan(self.layout_dims, self.rank, numel)
 
     def _sections(self, numel: int) -> tuple[int, int, int, int, int]:
