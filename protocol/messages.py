@@ -143,7 +143,10 @@ INNER = f.record(
         "weight_decay": f.number(0.0, 10.0),
         "grad_clip": f.optional(f.number(0.0, 1e6)),
         "trail_every": f.integer(1, 100_000),
-    }
+        "feedback_decay": f.number(0.0, 1.0),
+    },
+    # Added after the first release: specs signed before it keep the whole residual (1).
+    absent_ok=frozenset({"feedback_decay"}),
 )
 OUTER = f.record(
     {"lr": f.number(0.0, 100.0), "momentum": f.number(0.0, 1.0), "nesterov": f.boolean}
@@ -223,6 +226,12 @@ class RunSpec(Message):
         "validators": f.list_of(VALIDATOR_INFO, 256),
         "quorum": f.integer(1, 256),
     }
+
+    @property
+    def feedback_decay(self) -> float:
+        """The share of its error-feedback residual a worker carries to the next round
+        (``inner.feedback_decay``; 1.0, all of it, when absent)."""
+        return float(self.inner.get("feedback_decay", 1.0))
 
     @property
     def probe(self) -> tuple[int, float]:

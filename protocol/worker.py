@@ -338,7 +338,8 @@ def prepare_submission(
         trail, losses = result.trail, result.losses
         evidence.update((st.hash(), st.to_bytes()) for st in result.states[1:])
     ef = ErrorFeedback.from_bytes(ef_bytes, run.numel)
-    payload, _ = ef.step(run.codec, delta, seed=run.codec_seed(r, me))
+    payload, _ = ef.step(run.codec, delta, seed=run.codec_seed(r, me),
+                         decay=run.spec.feedback_decay)
     sub = Submission(
         run_id=run.spec.run_id, round=r, worker=me, base_model_hash=base_hash,
         payload_hash=sha256_hex(payload), payload_bytes=len(payload), codec=run.spec.codec,

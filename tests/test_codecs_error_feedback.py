@@ -132,3 +132,29 @@ def test_invalid_error_feedback_step_inputs() -> None:
     with pytest.raises(ValueError):
         ErrorFeedback(0)
     assert ef.norm() == 0.0  # nothing changed
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.5, 0.95])
+def test_decay_keeps_that_share_of_what_was_not_sent(decay: float) -> None:
+    codec = get_codec("topk", {"chunk": 64, "k": 4, "value_bits": 1})
+    kept, plain = ErrorFeedback(NUMEL), ErrorFeedback(NUMEL)
+    for delta in updates(4, seed=3):
+        residual = kept.residual.clone()
+        payload, decoded = kept.step(codec, delta, decay=decay)
+        # the payload is the undecayed rule's on the same residual: only what is kept changes
+        plain.residual = residual
+        plain_payload, plain_decoded = plain.step(codec, delta)
+        assert plain_payload == payload and torch.equal(plain_decoded, decoded)
+        assert torch.allclose(kept.residual, decay * plain.residual, atol=0, rtol=1e-6)
+    if decay == 0.0:
+        assert kept.norm() == 0.0
+    else:
+        assert kept.norm() > 0.0
+
+
+def test_decay_out_of_range_is_refused() -> None:
+    ef = ErrorFeedback(NUMEL)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="decay"):
+            ef.step(get_codec("int8"), updates(1)[0], decay=bad)
+    assert ef.norm() == 0.0

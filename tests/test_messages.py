@@ -174,3 +174,17 @@ def test_invalid_run_spec_fields_other_than_the_late_ones_are_still_required():
     wrong = {**body, "verification": {**body["verification"], "probe_factor": -1}}
     with pytest.raises(EncodingError, match="probe_factor"):
         RunSpec.from_body(wrong)
+
+
+def test_run_spec_feedback_decay_is_optional_and_bounded():
+    run = make_synthetic_run("decay-run", [Identity.generate("validator")])
+    body = run.spec.to_body()
+    assert "feedback_decay" not in body["inner"]
+    old = sign(run.organiser, RunSpec.from_body(body))
+    opened = decode_signed(old.encode(), RunSpec)
+    assert opened.message.feedback_decay == 1.0 and opened.encode() == old.encode()
+    new = RunSpec.from_body({**body, "inner": {**body["inner"], "feedback_decay": 0.5}})
+    assert decode_signed(sign(run.organiser, new).encode(), RunSpec).message.feedback_decay == 0.5
+    for bad in (1.5, -0.1, "0.5"):
+        with pytest.raises(EncodingError, match="feedback_decay"):
+            RunSpec.from_body({**body, "inner": {**body["inner"], "feedback_decay": bad}})

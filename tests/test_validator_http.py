@@ -211,3 +211,24 @@ def test_beacon_waits_for_quorum_and_is_the_same_for_every_validator(tmp_path):
 
     seeds = run_api(tmp_path, scenario)
     assert len(set(seeds)) == 1 and len(seeds[0]) == 32
+
+
+def test_worker_keeps_the_run_specs_share_of_its_residual():
+    """inner.feedback_decay changes what the worker carries over, never what it sends."""
+    settings = synthetic_settings()
+    settings["codec"] = {"name": "int4", "params": {"block": 64}}  # lossy: a residual
+    bundle = build_run(Identity.generate("organiser"), "decay-run", settings,
+                       [validator_identities(1)[0].public])
+    spec = bundle.signed.message
+    worker = Identity.generate("worker")
+    kept = {}
+    for decay in (None, 0.25):
+        inner = spec.inner if decay is None else {**spec.inner, "feedback_decay": decay}
+        run = RunContext.build(dataclasses.replace(spec, inner=inner), bundle.dataset)
+        assert run.spec.feedback_decay == (1.0 if decay is None else decay)
+        prep = honest(run, run.decode_model(bundle.genesis), worker)
+        kept[decay] = (prep.payload, prep.error_feedback.residual)
+    (payload_1, residual_1), (payload_q, residual_q) = kept[None], kept[0.25]
+    assert payload_1 == payload_q
+    assert residual_1.norm() > 0
+    assert torch.allclose(residual_q, 0.25 * residual_1, atol=0, rtol=1e-6)

@@ -43,6 +43,7 @@ def _settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {
         ("inner", "steps"): args.inner_steps, ("inner", "lr"): args.inner_lr,
         ("inner", "batch_size"): args.batch_size, ("inner", "trail_every"): args.trail_every,
+        ("inner", "feedback_decay"): args.feedback_decay,
         ("outer", "lr"): args.outer_lr, ("outer", "momentum"): args.outer_momentum,
         ("schedule", "round_seconds"): args.round_seconds,
         ("schedule", "max_rounds"): args.rounds,
@@ -195,8 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tolerance", type=float, help="spot-check relative distance tolerance")
     c.add_argument("--aggregator", help="robust aggregator name (default centered_clip)")
     c.add_argument("--aggregator-params", help="aggregator parameters as JSON")
-    c.add_argument("--codec", help="payload codec name (default fp16)")
-    c.add_argument("--codec-params", help="codec parameters as JSON")
+    c.add_argument("--codec", help="payload codec name (default int8)")
+    c.add_argument("--codec-params", help="codec parameters as JSON, e.g. "
+                   '\'{"rank": 8, "bits": 3, "layout": "model"}\' for lowrank')
+    c.add_argument("--feedback-decay", type=float,
+                   help="share of the error-feedback residual workers keep each round (default 1)")
     c.set_defaults(func=cmd_run_create)
 
     led = sub.add_parser("ledger", help="ledger commands").add_subparsers(

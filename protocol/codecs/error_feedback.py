@@ -1,14 +1,18 @@
 """Worker-side error feedback: what compression dropped is sent in later rounds.
 
-With residual ``e`` (zero at the start)::
+With residual ``e`` (zero at the start) and decay ``beta`` (1 unless the run
+says otherwise)::
 
     target  = delta + e
     payload = encode(target)
     decoded = decode(payload)          # exactly what the validators will see
-    e       = target - decoded
+    e       = beta * (target - decoded)
 
-Summed over rounds, ``sum(decoded) = sum(delta) - e``: the aggregate of what
-was sent tracks the aggregate of the true updates up to the current residual.
+With ``beta = 1``, summed over rounds, ``sum(decoded) = sum(delta) - e``: the
+aggregate of what was sent tracks the aggregate of the true updates up to the
+current residual. ``beta < 1`` forgets old residue geometrically (SparseLoCo
+keeps 0.95 of it): stale parts of past updates stop being replayed into a
+model that has moved on, at the price of never sending a share of them.
 The residual is persisted as a canonical safetensors file (one float32 tensor
 named ``residual``) so it survives a restart; parsing it is bounded.
 """
@@ -33,9 +37,12 @@ class ErrorFeedback:
         self.residual = torch.zeros(numel, dtype=torch.float32)
 
     def step(
-        self, codec: Codec, delta: torch.Tensor, *, seed: int = 0
+        self, codec: Codec, delta: torch.Tensor, *, seed: int = 0, decay: float = 1.0
     ) -> tuple[bytes, torch.Tensor]:
-        """Compress ``delta`` plus the residual; returns (payload, decoded) and updates the residual."""
+        """Compress ``delta`` plus the residual; returns (payload, decoded) and keeps
+        ``decay`` times what was not sent as the next residual."""
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"error-feedback decay must be in [0, 1], got {decay!r}")
         delta = check_update(delta)
         if delta.numel() != self.numel:
             raise ValueError(
@@ -45,6 +52,8 @@ class ErrorFeedback:
         payload = codec.encode(target, seed=seed)
         decoded = codec.decode(payload, self.numel, seed=seed)
         self.residual = target - decoded
+        if decay != 1.0:
+            self.residual.mul_(decay)
         return payload, decoded
 
     def norm(self) -> float:
