@@ -187,7 +187,11 @@ E2E_CODECS: list[tuple[str, str, dict[str, object]]] = [
     ("topk+dct64 64/4096 1b", "topk", {"chunk": 4096, "k": 64, "value_bits": 1, "dct_block": 64}),
     ("cocktail 1/4 48 1b", "cocktail", {"chunk": 4096, "sample": 4, "k": 48, "value_bits": 1}),
     ("lowrank r6 4b", "lowrank", {"rank": 6, "bits": 4, "layout": MODEL_LAYOUT}),
+    ("lowrank r6 4b decay.5", "lowrank", {"rank": 6, "bits": 4, "layout": MODEL_LAYOUT}),
 ]
+
+#: Run-spec ``inner`` overrides of some end-to-end configurations, by label.
+E2E_INNER: dict[str, dict[str, object]] = {"lowrank r6 4b decay.5": {"feedback_decay": 0.5}}
 
 
 def _e2e_run(job: tuple[str, str, dict[str, object], int, int, str, str]) -> dict[str, Any]:
@@ -201,6 +205,7 @@ def _e2e_run(job: tuple[str, str, dict[str, object], int, int, str, str]) -> dic
     torch.set_num_threads(1)
     settings = run_preset(preset)
     settings["codec"] = {"name": name, "params": dict(params)}
+    settings["inner"].update(E2E_INNER.get(label, {}))
     # Spot checks cost time and change nothing here: every worker is honest.
     settings["verification"].update(challenges_per_worker=0.0, always_last=False,
                                     spot_checks_per_round=0)
