@@ -9,7 +9,7 @@ from veritrain.protocol.identity import Identity
 from veritrain.protocol.organiser import build_run
 from veritrain.protocol.presets import run_preset
 from veritrain.protocol.runtime import RunContext
-from veritrain.validators.probe import loss_regressions, probe_gains, probe_rows
+from veritrain.validators.probe import ProbeGain, loss_regressions, probe_gains, probe_rows
 
 
 def test_far_negative_gains_are_rejected_and_the_honest_spread_is_kept():
@@ -62,17 +62,65 @@ def test_gains_separate_trained_updates_from_flipped_and_noise():
     rows = probe_rows(run, b"beacon seed", 0, 64)
     assert torch.equal(rows, probe_rows(run, b"beacon seed", 0, 64))
     assert not torch.equal(rows, probe_rows(run, b"beacon seed", 1, 64))
-    gains = probe_gains(run, base, updates, rows)
+    probed = probe_gains(run, base, updates, rows)
+    assert all(0 < g.se < abs(g.gain) for g in probed.values()), probed
+    gains = {w: g.gain for w, g in probed.items()}
     assert all(gains[w] > 0 for w in workers), gains
     # At genesis even the flipped update lowers the loss (the random model is far from
     # anything), by much less than the trained ones; noise does not help.
     assert gains["flip"] < 0.6 * min(gains[w] for w in workers) and gains["noise"] < 0.1
-    assert not set(loss_regressions(gains, 5.0)) & set(workers)
+    assert not set(loss_regressions(probed, 5.0)) & set(workers)
     # A round later, from the averaged model, the flipped update makes the loss worse.
     base2 = base - mean
     honest2 = {w: run.train(base2, 1, w).delta for w in workers}
     flip2 = -torch.stack(list(honest2.values())).mean(0)
-    gains2 = probe_gains(run, base2, {**honest2, "flip": flip2},
-                         probe_rows(run, b"beacon seed", 1, 64))
+    probed2 = probe_gains(run, base2, {**honest2, "flip": flip2},
+                          probe_rows(run, b"beacon seed", 1, 64))
+    gains2 = {w: g.gain for w, g in probed2.items()}
     assert gains2["flip"] < 0 < min(gains2[w] for w in workers), gains2
-    assert set(loss_regressions(gains2, 5.0)) == {"flip"}
+    # The flip loses on nearly every window: far more than its noise.
+    assert gains2["flip"] < -10 * probed2["flip"].se
+    assert set(loss_regressions(probed2, 5.0)) == {"flip"}
+
+
+def test_a_regression_within_the_probes_noise_is_kept_and_own_noise_buys_nothing():
+    """Late in training, few updates, a small MAD (the round seen with 4 workers and 110x
+    lowrank payloads): an update a little below zero is kept while the probe windows
+    cannot resolve it, and rejected when they can; its own spread does not widen it."""
+    gains = {"a": 0.01059, "b": 0.01414, "c": 0.01484, "d": -0.01637}
+
+    def with_se(se: dict[str, float]) -> dict[str, ProbeGain]:
+        return {w: ProbeGain(g, se[w]) for w, g in gains.items()}
+
+    assert loss_regressions(with_se(dict.fromkeys(gains, 0.0143)), 5.0) == {}
+    # plain floats carry no noise: the old rule, which rejected it
+    assert set(loss_regressions(gains, 5.0)) == {"d"}
+    sharp = dict.fromkeys(gains, 0.002)
+    out = loss_regressions(with_se(sharp), 5.0)
+    assert set(out) == {"d"} and "median se 0.002" in out["d"]
+    assert set(loss_regressions(with_se({**sharp, "d": 1.0}), 5.0)) == {"d"}
+
+
+def test_charlm_example_losses_average_to_the_loss():
+    run = _tiny_run()
+    model = run.task.make_model().eval()
+    batch = run.task.make_batch(run.dataset, torch.arange(8), device=torch.device("cpu"))
+    with torch.no_grad():
+        per = run.task.example_losses(model, batch)
+        whole = run.task.loss(model, batch)
+    assert per.shape == (8,) and float(per.std()) > 0
+    assert abs(float(per.double().mean()) - float(whole)) < 1e-5
+
+
+def test_synthetic_example_losses_average_to_the_loss():
+    from veritrain.protocol.tasks import load_task
+
+    task = load_task("synthetic", {})
+    data = task.load_dataset(task.pack_dataset())
+    model = task.make_model().eval()
+    batch = task.make_batch(data, torch.arange(6), device="cpu")
+    with torch.no_grad():
+        per = task.example_losses(model, batch)
+        whole = task.loss(model, batch)
+    assert per.shape == (6,)
+    assert abs(float(per.double().mean()) - float(whole)) < 1e-5

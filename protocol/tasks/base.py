@@ -75,6 +75,10 @@ class Task(Protocol):
         """Scalar mean loss of ``model`` on ``batch``."""
         ...
 
+    def example_losses(self, model: torch.nn.Module, batch: object) -> torch.Tensor:
+        """Each example's mean loss, ``[B]``: one forward pass; their mean is ``loss``."""
+        ...
+
     def eval_batches(self, dataset: Dataset, *, device: torch.device) -> Iterable[object]:
         """Fixed held-out batches of equal size, the same every call."""
         ...

@@ -425,6 +425,14 @@ class CharLMTask:
         logits = model(x)  # (B, T, 256)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
+    def example_losses(self, model: torch.nn.Module, batch: object) -> torch.Tensor:
+        """Mean next-byte cross-entropy of each window, ``[B]``."""
+        x, y = batch  # type: ignore[misc]
+        logits = model(x)  # (B, T, 256)
+        per_token = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1),
+                                    reduction="none")
+        return per_token.view(y.shape).mean(dim=1)
+
     def eval_batches(
         self, dataset: CharLMDataset, *, device: torch.device | str = "cpu"
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -159,6 +159,11 @@ class SyntheticTask:
         x, y = batch  # type: ignore[misc]
         return F.cross_entropy(model(x), y)
 
+    def example_losses(self, model: torch.nn.Module, batch: object) -> torch.Tensor:
+        """Cross-entropy of each row, ``[B]``."""
+        x, y = batch  # type: ignore[misc]
+        return F.cross_entropy(model(x), y, reduction="none")
+
     def eval_batches(
         self, dataset: SyntheticDataset, *, device: torch.device | str = "cpu"
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
