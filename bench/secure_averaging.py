@@ -1,7 +1,8 @@
 """Cost and soundness of secure averaging, measured side by side in one run.
 
     .venv/bin/python bench/secure_averaging.py [--d 4000000] [--bucket 8] [--n 16]
-        [--validators 4] [--repeats 5] [--seeds 200] [--threads T] [--robustness]
+        [--validators 4] [--repeats 9] [--seeds 200] [--threads T] [--torch-threads T]
+        [--only masking|sharding|robustness] [--robustness] [--rounds 20] [--no-spot-checks]
 
 **Masked buckets** (one bucket of ``--bucket`` workers, D = ``--d`` float32):
 
@@ -43,11 +44,29 @@ shift (v * 1.001, and v + 1e-3 ||v|| u for a random unit u) fails; false
 alarms: honest results failing over ``--seeds`` seeds and all shards; a
 one-block cheat's catch rate against the bound 1 - (1 - 1/n_b)^m.
 
-**Robustness** (``--robustness``, needs ``veritrain.swarm``): the charlm
-``bench`` preset with 16 workers, 3 of them Byzantine under each attack,
-masked buckets (simulated: the sums the masks would give) versus CenteredClip
-with bucketing; worst final eval loss relative to the clean run.  Without the
-flag, or without the swarm, it prints ``f3=n/a``.
+**Robustness** (``--robustness``, or ``--only robustness`` to run it alone;
+needs ``veritrain.swarm``): the charlm ``bench`` preset for ``--rounds``
+rounds with 16 workers, 3 of them Byzantine under each attack (alie, ipm,
+sign_flip, gaussian), masked buckets of 2 versus CenteredClip with bucketing
+(buckets of 2); worst final eval loss of the masked runs relative to the
+clean run (plain CenteredClip, no attack).  The masked variant is simulated
+(``MaskedBucketsSimulation``: the sums the masks would give) as a masked run
+would see the round: validators never see single updates, so the per-update
+norm filter (``norm_factor`` 1e6, the largest a run spec accepts; it would
+still drop an all-zero update) and the probe filter (``probe_examples`` 0)
+are off, while segment spot checks stay (they open the masked input of the
+workers they recompute); and a Byzantine worker's masked input is not
+clipped (spec B.7): its row skips the L2 clip and saturates per coordinate
+at the largest value that cannot wrap its bucket's sum (``ByzantineRows``
+finds the Byzantine rows among the stacked updates).  The baseline and the
+clean run keep every filter of the preset.  Each run's line also gives its
+time, its rejections by reason and (masked) how many Byzantine rows reached
+the aggregator.  With the preset's segment checks the omniscient attacks
+(alie, ipm, gaussian: no trail to reveal) are all rejected and banned in
+round 0, so only sign_flip (an honest trail, the payload negated) reaches
+the aggregator; ``--no-spot-checks`` turns the checks off in every run to
+measure the aggregation itself.  Without the flag, or without the swarm, it
+prints ``f3=n/a``.
 
 The last line is machine-readable:
 
@@ -59,10 +78,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
+import numpy as np
 import torch
 from veritrain.aggregation import CenteredClip, centered_clip_with_stats
 from veritrain.aggregation.secure import (
@@ -86,6 +107,7 @@ from veritrain.aggregation.secure import (
     shard_tau,
     unmask_bucket,
 )
+from veritrain.aggregation.secure.fixed_point import MAX_ABS_SUM
 from veritrain.aggregation.secure.prg import derive_key
 from veritrain.aggregation.secure.projection import BLOCK
 
@@ -273,46 +295,134 @@ def bench_projection(n: int, d: int, v: int, repeats: int, seeds: int) -> dict[s
 class MaskedBucketsSimulation:
     """What masked buckets hand to CenteredClip, without the (cancelling) masks.
 
-    Each accepted update is clipped to C = clip_rel * median norm and quantized
-    as a worker would (``quantize``), the beacon's buckets of ``size`` are summed
-    exactly in Z_(2^32) and dequantized, and CenteredClip (tau_rel over the
-    bucket means) aggregates the bucket means weighted by member counts: the
-    same numbers ``unmask_bucket`` would produce.  The clip radius would be a
-    run parameter in a real masked run (validators never see single norms).
+    Honest rows are clipped to C = clip_rel * median norm and quantized as a
+    worker would (``quantize``).  Byzantine rows (``byzantine``: row indices, or
+    a callable giving them for the stacked updates) are what an unopened masked
+    input can be (spec B.7): no L2 clip, each coordinate rounded to the nearest
+    step and saturated at the largest magnitude that cannot wrap the bucket sum
+    whatever the honest members send, ``bound = (2^31 - 1 - h (floor(C S) + 1))
+    // k`` steps for a bucket with h honest and k Byzantine members (honest words
+    are at most C S + 1: fixed_point.py); since S is the largest power of two
+    with s (C S + 1) <= 2^31 - 1, that is between C and about (2s - 1) C per
+    coordinate after dequantization for a lone Byzantine member.  Each bucket is summed exactly in
+    Z_(2^32) and dequantized, and CenteredClip (tau_rel over the bucket means)
+    aggregates the bucket means weighted by member counts: the numbers
+    ``unmask_bucket`` would produce.  The clip radius would be a run parameter
+    in a real masked run (validators never see single norms); following the
+    median norm is the best a fixed C could be tuned to.
     """
 
-    def __init__(self, tau_rel: float, size: int, seed: int, clip_rel: float = 1.0) -> None:
+    def __init__(
+        self,
+        tau_rel: float,
+        size: int,
+        seed: int,
+        clip_rel: float = 1.0,
+        byzantine: Collection[int] | Callable[[torch.Tensor], Collection[int]] = (),
+    ) -> None:
         self.tau_rel, self.size, self.seed, self.clip_rel = tau_rel, size, seed, clip_rel
+        self.byzantine = byzantine
 
-    def __call__(self, updates: torch.Tensor, weights: object = None) -> torch.Tensor:
-        n, d = updates.shape
-        norms = torch.linalg.vector_norm(updates.double(), dim=1)
-        clip = float(self.clip_rel * norms.median())
-        seed = self.seed.to_bytes(8, "big")
+    def clip_norm(self, updates: torch.Tensor) -> float:
+        return float(self.clip_rel * torch.linalg.vector_norm(updates.double(), dim=1).median())
+
+    def buckets(self, n: int) -> list[list[int]]:
+        """The beacon's buckets of row indices (ids: the row index, 4 bytes big-endian)."""
         ids = [i.to_bytes(4, "big") for i in range(n)]
-        if n < self.size:
-            return CenteredClip(tau=1.0)(updates)  # too few workers for one bucket
-        buckets = assign_buckets(seed, ids, self.size)
+        return [
+            [int.from_bytes(w, "big") for w in b]
+            for b in assign_buckets(self.seed.to_bytes(8, "big"), ids, self.size)
+        ]
+
+    @staticmethod
+    def saturation(clip: float, scale: float, members: int, byzantine: int) -> int:
+        """Largest |q_k| each of ``byzantine`` members may send without wrapping the sum."""
+        honest = (members - byzantine) * (math.floor(clip * scale) + 1)
+        return (MAX_ABS_SUM - honest) // byzantine
+
+    def bucket_sums(self, updates: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The dequantized bucket sums [B, D] (float64) and member counts."""
+        clip = self.clip_norm(updates)
+        byz = self.byzantine(updates) if callable(self.byzantine) else self.byzantine
+        byz = {int(i) for i in byz}
+        seed = self.seed.to_bytes(8, "big")
         sums, counts = [], []
-        for b in buckets:
+        for b in self.buckets(updates.shape[0]):
             scale = fixed_point_scale(clip, len(b))
-            total = None
-            for w in b:
-                q = quantize(
-                    updates[int.from_bytes(w, "big")],
-                    clip_norm=clip,
-                    scale=scale,
-                    rounding_key=derive_key(seed, "rounding", w),
-                )
-                total = q if total is None else total + q
+            k = sum(i in byz for i in b)
+            bound = self.saturation(clip, scale, len(b), k) if k else 0
+            exact = np.zeros(updates.shape[1], dtype=np.int64)
+            total = np.zeros(updates.shape[1], dtype=np.uint32)
+            for i in b:
+                if i in byz:
+                    y = np.rint(updates[i].double().numpy() * scale)
+                    q = np.clip(y, -bound, bound).astype(np.int64).astype(np.uint32)
+                else:
+                    q = quantize(
+                        updates[i],
+                        clip_norm=clip,
+                        scale=scale,
+                        rounding_key=derive_key(seed, "rounding", i.to_bytes(4, "big")),
+                    )
+                total += q  # mod 2^32, as the masked sum is
+                exact += q.view(np.int32)
+            assert np.abs(exact).max() <= MAX_ABS_SUM, "bucket sum wrapped"
             sums.append(dequantize(total, scale))
             counts.append(len(b))
-        means = torch.stack(sums) / torch.tensor(counts, dtype=torch.float64)[:, None]
+        return torch.stack(sums), counts
+
+    def __call__(self, updates: torch.Tensor, weights: object = None) -> torch.Tensor:
+        if updates.shape[0] < self.size:
+            return CenteredClip(tau=1.0)(updates)  # too few workers for one bucket
+        sums, counts = self.bucket_sums(updates)
+        means = sums / torch.tensor(counts, dtype=torch.float64)[:, None]
         center = means.median(0).values
         tau = max(
             self.tau_rel * float(torch.linalg.vector_norm(means - center, dim=1).median()), 1e-12
         )
-        return aggregate_bucket_means(torch.stack(sums), counts, CenteredClip(tau=tau)).float()
+        return aggregate_bucket_means(sums, counts, CenteredClip(tau=tau)).float()
+
+
+class ByzantineRows:
+    """Which rows of the validator's stacked updates come from Byzantine workers.
+
+    ``process_round`` decodes each candidate with ``admit`` and stacks the ones
+    that survive its checks in worker-id order; wrapping ``admit`` records what
+    it returned for the Byzantine ids, and a row is Byzantine iff it equals one
+    of those (the stack copies them bit for bit).
+    """
+
+    def __init__(self, worker_ids: Collection[str]) -> None:
+        self.ids = set(worker_ids)
+        self.decoded: list[torch.Tensor] = []
+        self.round: int | None = None
+        self.aggregated = 0  # Byzantine rows handed to the aggregator, over the run
+
+    def wrap(self, admit: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def recording(candidate, run, round_index, *rest, **kw):  # noqa: ANN001, ANN202
+            if round_index != self.round:
+                self.round, self.decoded = round_index, []
+            x = admit(candidate, run, round_index, *rest, **kw)
+            if candidate.worker in self.ids:
+                self.decoded.append(x)
+            return x
+
+        return recording
+
+    def __call__(self, updates: torch.Tensor) -> set[int]:
+        rows = {
+            i for i, u in enumerate(updates) if any(torch.equal(u, x) for x in self.decoded)
+        }
+        self.aggregated += len(rows)
+        return rows
+
+
+@dataclasses.dataclass
+class RobustnessRun:
+    eval_loss: float
+    seconds: float
+    rejected: dict[str, int]  # reason -> count over the run
+    byzantine_aggregated: int | None  # masked only: Byzantine rows handed to the aggregator
 
 
 def robustness(
@@ -323,42 +433,75 @@ def robustness(
     f: int = 3,
     workers: int = 16,
     size: int = 2,
-) -> dict[str, float]:
+    spot_checks: bool = True,
+    on_run: Callable[[str, RobustnessRun], None] | None = None,
+) -> dict[str, RobustnessRun]:
     """Final eval loss per (variant, attack) on a charlm preset; see the module docstring.
 
     ``size``: masked bucket size (2 matches the bucketing baseline's; larger
     buckets hide more but leave fewer buckets to outvote spoiled ones).
+    ``masked`` runs without the per-update norm and probe filters (validators
+    never see single updates; segment spot checks stay) and with Byzantine
+    inputs unclipped (``MaskedBucketsSimulation``); ``cc_bucketing`` and the
+    clean run keep every filter of the preset.  ``spot_checks=False`` turns
+    segment checks off in every run (as ``bench/robustness.py`` does): the
+    omniscient attacks (alie, ipm, gaussian) send no trail, so with the
+    preset's checks (at least one segment per worker and round) they are all
+    rejected, and banned, in round 0, before any aggregator sees them.
     """
     import veritrain.validators.round as round_mod
     from veritrain.protocol.presets import run_preset
 
     from veritrain.swarm import Swarm
 
-    def run(variant: str, attack: str | None) -> float:
+    def run(variant: str, attack: str | None) -> RobustnessRun:
         settings = run_preset(preset)
         settings["schedule"]["max_rounds"] = rounds
         params = dict(settings["aggregator"]["params"])
         if variant == "cc_bucketing":
             params["bucket_size"] = 2
         settings["aggregator"]["params"] = params
-        original = round_mod.build_aggregator
+        if not spot_checks:
+            settings["verification"].update(challenges_per_worker=0.0, spot_checks_per_round=0)
+        if variant == "masked":
+            # No per-update filters: 1e6 is the largest norm_factor a run spec accepts
+            # (it would still drop an all-zero update); probe_examples = 0 turns the
+            # probe off (RunSpec.probe).
+            settings["verification"].update(norm_factor=1e6, probe_examples=0)
+        byz = {workers - 1 - i: attack for i in range(f)} if attack else {}
+        swarm = Swarm(settings, n_workers=workers, byzantine=byz, seed="secure-bench")
+        rows = ByzantineRows(swarm.workers[i].public_key.hex() for i in byz)
+        originals = round_mod.build_aggregator, round_mod.admit
         if variant == "masked":
 
             def patched(name, p, *, seed=0):  # noqa: ANN001, ANN202
-                return MaskedBucketsSimulation(float(params.get("tau_rel", 1.0)), size, seed)
+                tau_rel = float(params.get("tau_rel", 1.0))
+                return MaskedBucketsSimulation(tau_rel, size, seed, byzantine=rows)
 
-            round_mod.build_aggregator = patched
+            round_mod.build_aggregator, round_mod.admit = patched, rows.wrap(round_mod.admit)
         try:
-            byz = {workers - 1 - i: attack for i in range(f)} if attack else {}
-            swarm = Swarm(settings, n_workers=workers, byzantine=byz, seed="secure-bench")
-            return swarm.train(rounds).eval_loss[-1]
+            res = swarm.train(rounds)
         finally:
-            round_mod.build_aggregator = original
+            round_mod.build_aggregator, round_mod.admit = originals
+        rejected: dict[str, int] = {}
+        for o in res.outcomes:
+            for v in o.verdicts:
+                if v["status"] == "rejected":
+                    rejected[v["reason"]] = rejected.get(v["reason"], 0) + 1
+        return RobustnessRun(
+            res.eval_loss[-1],
+            res.seconds,
+            rejected,
+            rows.aggregated if variant == "masked" else None,
+        )
 
-    out = {"clean": run("cc", None)}
-    for variant in ("masked", "cc_bucketing"):
-        for attack in attacks:
-            out[f"{variant}/{attack}"] = run(variant, attack)
+    out: dict[str, RobustnessRun] = {}
+    for key, variant, attack in [("clean", "cc", None)] + [
+        (f"{v}/{a}", v, a) for v in ("masked", "cc_bucketing") for a in attacks
+    ]:
+        out[key] = run(variant, attack)
+        if on_run is not None:
+            on_run(key, out[key])
     return out
 
 
@@ -447,9 +590,20 @@ def main() -> None:
         default=None,
         help="torch intra-op threads (default: torch's own choice)",
     )
-    ap.add_argument("--only", choices=("masking", "sharding"), default=None)
+    ap.add_argument(
+        "--only",
+        choices=("masking", "sharding", "robustness"),
+        default=None,
+        help="run one part (robustness: the swarm runs alone, implies --robustness)",
+    )
     ap.add_argument("--robustness", action="store_true")
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument(
+        "--no-spot-checks",
+        action="store_true",
+        help="robustness without segment checks (else the omniscient attackers, who send "
+        "no trail, are banned in round 0)",
+    )
     args = ap.parse_args()
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -465,13 +619,39 @@ def main() -> None:
         ratio = report_projection(pj, args)
 
     rob = "n/a"
+    args.robustness = args.robustness or args.only == "robustness"
     if args.robustness and importlib.util.find_spec("veritrain.swarm") is not None:
         attacks = ("alie", "ipm", "sign_flip", "gaussian")
-        losses = robustness(args.rounds, attacks)
-        clean = losses["clean"]
-        for k, val in losses.items():
-            print(f"  robustness {k:24s} final eval loss {val:.4f} ({(val - clean) / clean:+.1%})")
-        worst = max(losses[f"masked/{a}"] for a in attacks)
+        print(
+            f"robustness: charlm bench preset, {args.rounds} rounds, 16 workers, f = 3, "
+            "masked buckets of 2 (no norm/probe filter, Byzantine inputs unclipped) "
+            "vs CenteredClip with bucketing"
+            + (", segment spot checks off" if args.no_spot_checks else "")
+        )
+
+        def line(key: str, r: RobustnessRun, clean: float | None) -> str:
+            rel = "" if clean is None else f" ({(r.eval_loss - clean) / clean:+.1%})"
+            rej = ", ".join(f"{k} {v}" for k, v in sorted(r.rejected.items())) or "none"
+            byz = (
+                ""
+                if r.byzantine_aggregated is None
+                else f"; Byzantine rows aggregated {r.byzantine_aggregated}"
+            )
+            return (
+                f"  robustness {key:24s} final eval loss {r.eval_loss:.4f}{rel}  "
+                f"[{r.seconds:.0f} s; rejected: {rej}{byz}]"
+            )
+
+        def progress(key: str, r: RobustnessRun) -> None:
+            print("  done" + line(key, r, None)[1:], flush=True)
+
+        runs = robustness(
+            args.rounds, attacks, spot_checks=not args.no_spot_checks, on_run=progress
+        )
+        clean = runs["clean"].eval_loss
+        for k, r in runs.items():
+            print(line(k, r, clean))
+        worst = max(runs[f"masked/{a}"].eval_loss for a in attacks)
         rob = f"{(worst - clean) / clean * 100:+.1f}%"
     elif args.robustness:
         print("robustness: skipped, veritrain.swarm is not importable")

@@ -8,18 +8,13 @@ grid builder (shared clean runs, f-dependent parameters), the run settings
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
-import sys
 from pathlib import Path
 
-_PATH = Path(__file__).resolve().parents[1] / "bench" / "robustness.py"
-_SPEC = importlib.util.spec_from_file_location("bench_robustness", _PATH)
-assert _SPEC is not None and _SPEC.loader is not None
-R = importlib.util.module_from_spec(_SPEC)
-sys.modules["bench_robustness"] = R
-_SPEC.loader.exec_module(R)
+from bench_scripts import load_bench
+
+R = load_bench("robustness")
 
 
 def test_grid_shares_clean_runs_and_fills_in_f() -> None:
