@@ -63,7 +63,9 @@ def test_gains_separate_trained_updates_from_flipped_and_noise():
     assert torch.equal(rows, probe_rows(run, b"beacon seed", 0, 64))
     assert not torch.equal(rows, probe_rows(run, b"beacon seed", 1, 64))
     probed = probe_gains(run, base, updates, rows)
-    assert all(0 < g.se < abs(g.gain) for g in probed.values()), probed
+    assert all(g.se > 0 for g in probed.values()), probed
+    # trained updates gain on nearly every window: far more than their noise
+    assert all(probed[w].gain > 5 * probed[w].se for w in workers), probed
     gains = {w: g.gain for w, g in probed.items()}
     assert all(gains[w] > 0 for w in workers), gains
     # At genesis even the flipped update lowers the loss (the random model is far from
