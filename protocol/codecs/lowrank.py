@@ -36,6 +36,7 @@ Decoding: ``Y = Pc @ (Xc * 2^(15 - k))`` (exact integers, below 2^36) and
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Sequence
 from functools import lru_cache
@@ -264,8 +265,7 @@ class LowRankCodec(BaseCodec):
         is kept as it is."""
         if self.layout != MODEL_LAYOUT:
             return self
-        bound = LowRankCodec.from_params(self.params())
-        assert isinstance(bound, LowRankCodec)
+        bound = copy.copy(self)
         bound.layout_dims = layout_dims_for(shapes)
         return bound
 
