@@ -77,12 +77,34 @@ def resolve_aggregator_params(params: dict[str, Any], updates: torch.Tensor) -> 
     return out
 
 
-def process_round(
+@dataclass
+class FilteredRound:
+    """A round after every per-update check: who is rejected, and the rows to aggregate.
+
+    ``accepted`` is sorted by worker and ``stacked`` holds their decoded updates in
+    that order; ``params`` are the aggregator's parameters with ``tau_rel``
+    resolved to this round's ``tau``.
+    """
+
+    round_index: int
+    verdicts: dict[str, dict[str, Any]]
+    by_worker: dict[str, Candidate]
+    checks: dict[str, list[dict[str, Any]]]
+    distances: dict[str, float]
+    accepted: list[str]
+    stacked: torch.Tensor | None
+    params: dict[str, Any]
+
+    @property
+    def tau(self) -> float | None:
+        return self.params.get("tau")
+
+
+def filter_round(
     run: RunContext,
     round_index: int,
     base_model_hash: str,
     base_flat: torch.Tensor,
-    outer: OuterState,
     candidates: list[Candidate],
     registered: set[str],
     banned: set[str],
@@ -90,8 +112,8 @@ def process_round(
     *,
     evidence: Mapping[str, bytes] | None = None,
     device: str = "cpu",
-) -> RoundOutcome:
-    """Verdicts, scores and the next model for one closed round.
+) -> FilteredRound:
+    """Admit, decode, spot-check, norm- and probe-filter one closed round's submissions.
 
     ``evidence`` maps content hashes to the state and residual files the
     challenged workers revealed (see :func:`round_challenges`).
@@ -107,7 +129,6 @@ def process_round(
             "reason": reason, "detail": detail[:500], "spot_checked": False, "distance": None,
             "checks": [], **extra,
         }
-
     by_worker: dict[str, Candidate] = {}
     repeated: set[str] = set()
     for c in sorted(candidates, key=lambda c: (c.worker, c.signed.digest)):
@@ -141,7 +162,6 @@ def process_round(
                    f"segment {failed[0].segment}: {failed[0].note}",
                    spot_checked=True, distance=distances.get(worker), checks=checks[worker])
             del decoded[worker]
-    checked = sorted(checks)
 
     norms = {w: float(torch.linalg.vector_norm(u.double())) for w, u in decoded.items()}
     for worker, detail in norm_outliers(norms, spec.verification["norm_factor"]).items():
@@ -161,21 +181,51 @@ def process_round(
             del decoded[worker]
 
     accepted = sorted(decoded)
-    if accepted:
-        stacked = torch.stack([decoded[w] for w in accepted])
-        params = resolve_aggregator_params(spec.aggregator["params"], stacked)
-        agg = build_aggregator(
-            spec.aggregator["name"], params,
-            seed=derive_seed(beacon_seed, "aggregate", round_index),
-        )
-        aggregate = agg(stacked).to(torch.float32)
-        tau = params.get("tau")
-        quality = dict(zip(accepted, clip_quality(stacked, aggregate, tau), strict=True))
+    stacked = torch.stack([decoded[w] for w in accepted]) if accepted else None
+    params = (resolve_aggregator_params(spec.aggregator["params"], stacked)
+              if stacked is not None else dict(spec.aggregator["params"]))
+    return FilteredRound(round_index, verdicts, by_worker, checks, distances, accepted,
+                         stacked, params)
+
+
+def aggregate_locally(run: RunContext, filtered: FilteredRound, beacon_seed: bytes
+                      ) -> torch.Tensor | None:
+    """The run's aggregator over the accepted rows, computed by this validator alone."""
+    if filtered.stacked is None:
+        return None
+    agg = build_aggregator(
+        run.spec.aggregator["name"], filtered.params,
+        seed=derive_seed(beacon_seed, "aggregate", filtered.round_index),
+    )
+    return agg(filtered.stacked).to(torch.float32)
+
+
+def finish_round(
+    run: RunContext,
+    filtered: FilteredRound,
+    aggregate: torch.Tensor | None,
+    base_flat: torch.Tensor,
+    outer: OuterState,
+    *,
+    device: str = "cpu",
+) -> RoundOutcome:
+    """From the round's aggregate to the next model, eval loss, verdicts and scores.
+
+    ``aggregate`` is None when no update was accepted (the outer step then
+    applies momentum alone).
+    """
+    spec = run.spec
+    verdicts = dict(filtered.verdicts)
+    by_worker, checks, distances = filtered.by_worker, filtered.checks, filtered.distances
+    accepted = filtered.accepted
+    if aggregate is not None and filtered.stacked is not None:
+        quality = dict(zip(accepted, clip_quality(filtered.stacked, aggregate, filtered.tau),
+                           strict=True))
     else:
         aggregate = torch.zeros_like(base_flat)
         quality = {}
     update_payload, sent, residual = encode_update(
-        run.codec, aggregate, outer.residual, seed=run.update_seed(round_index))
+        run.codec, aggregate, outer.residual, seed=run.update_seed(filtered.round_index))
     new_flat, new_momentum = outer_step(
         base_flat, outer.momentum, sent, lr=spec.outer["lr"], mu=spec.outer["momentum"],
         nesterov=spec.outer["nesterov"],
@@ -189,7 +239,8 @@ def process_round(
             "reason": "", "detail": "", "spot_checked": bool(checks.get(worker)),
             "distance": distances.get(worker), "checks": checks.get(worker, []),
         }
-    samples = {w: (by_worker[w].signed.message.samples if w in decoded else 0) for w in verdicts}
+    kept = set(accepted)
+    samples = {w: (by_worker[w].signed.message.samples if w in kept else 0) for w in verdicts}
     scores = compute_scores(samples, quality)
     rewards = split_rewards(scores, spec.rewards["per_round"])
     score_rows = [
@@ -205,5 +256,31 @@ def process_round(
         update_payload=update_payload,
         eval_loss=eval_loss,
         aggregate=aggregate,
-        spot_checked=checked,
+        spot_checked=sorted(checks),
     )
+
+
+def process_round(
+    run: RunContext,
+    round_index: int,
+    base_model_hash: str,
+    base_flat: torch.Tensor,
+    outer: OuterState,
+    candidates: list[Candidate],
+    registered: set[str],
+    banned: set[str],
+    beacon_seed: bytes,
+    *,
+    evidence: Mapping[str, bytes] | None = None,
+    device: str = "cpu",
+) -> RoundOutcome:
+    """Verdicts, scores and the next model for one closed round, aggregated locally.
+
+    ``filter_round``, then ``aggregate_locally``, then ``finish_round``; a sharded
+    run replaces the middle step with the validators' exchange
+    (validators/sharded.py).
+    """
+    filtered = filter_round(run, round_index, base_model_hash, base_flat, candidates,
+                            registered, banned, beacon_seed, evidence=evidence, device=device)
+    aggregate = aggregate_locally(run, filtered, beacon_seed)
+    return finish_round(run, filtered, aggregate, base_flat, outer, device=device)
