@@ -188,6 +188,32 @@ def _paths() -> dict[str, Any]:
                        multipart({"result": "signed RoundResult", "model": "model file",
                                   "outer_state": "outer optimizer state file",
                                   "update": "the aggregated update"}), tag="write")},
+        rnd + "/shards": {
+            "get": op("a sharded round: shard results, the fixed list and check seed, findings "
+                      "and the shards a quorum found faulty", [RUN, ROUND],
+                      {**ok(obj({"run_id": STR, "round": INT, "shards": INT, "quorum": INT,
+                                 "results": arr(ref("Signed")), "list": nullable(arr(OBJ)),
+                                 "check": nullable(OBJ), "check_shares": arr(ref("Signed")),
+                                 "findings": arr(ref("Signed")), "faulty_shards": arr(INT)})),
+                       **problems(404)}),
+            "post": op("a validator's shard result (after the beacon, before the list is fixed)",
+                       [RUN, ROUND], {"201": ok(obj({"shard": INT, "result_digest": HEX64,
+                                                     "already": BOOL}), "recorded", 201)["201"],
+                                      **problems(400, 401, 403, 404, 409, 413)},
+                       multipart({"publication": "signed ShardPublication",
+                                  "result": "the shard result file (safetensors)"}),
+                       tag="write")},
+        rnd + "/shards/check": {
+            "post": op("a validator's BLS share over the published shard results: the first "
+                       "fixes the list, a quorum the check seed", [RUN, ROUND],
+                       {**ok(obj({"results": arr(OBJ), "check": nullable(OBJ), "shares": INT})),
+                        **problems(400, 401, 403, 404, 409, 413)},
+                       json_body("signed ShardCheckShare"), tag="write")},
+        rnd + "/shards/findings": {
+            "post": op("a validator's settled dispute over another validator's shard",
+                       [RUN, ROUND], {"201": ok(obj({"already": BOOL}), "recorded", 201)["201"],
+                                      **problems(400, 401, 403, 404, 409, 413)},
+                       json_body("signed ShardFindingReport"), tag="write")},
         rnd + "/challenges": {"get": op(
             "the round's spot-check challenges and which reveals arrived", [RUN, ROUND],
             {**ok(obj({"run_id": STR, "round": INT, "fixed": BOOL,

@@ -233,3 +233,26 @@ class ValidatorFault(Base):
     validator: Mapped[str] = mapped_column(String(64), primary_key=True)
     result_digest: Mapped[str] = mapped_column(String(64))
     certified_digest: Mapped[str] = mapped_column(String(64))
+
+
+class ShardMessage(Base):
+    """A sharded round's exchange between validators (specs/secure-averaging.md E).
+
+    ``kind`` is ``result`` (one per validator: its shard), ``check_share`` (one per
+    validator: its BLS share over the published results), ``finding`` (one per
+    reporter and disputed shard), or the ledger's own ``list_fixed`` and
+    ``check_fixed`` (``validator_index`` -1). ``body`` is the canonical signed
+    envelope, or for the ledger's rows the canonical JSON it fixed.
+    """
+
+    __tablename__ = "shard_messages"
+    __table_args__ = (UniqueConstraint("run_id", "round", "kind", "validator_index", "shard"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64))
+    round: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))
+    validator_index: Mapped[int] = mapped_column(Integer)
+    shard: Mapped[int] = mapped_column(Integer)
+    digest: Mapped[str] = mapped_column(String(64))
+    body: Mapped[bytes] = mapped_column(LargeBinary)
+    received_at: Mapped[float] = mapped_column(Float)

@@ -30,7 +30,12 @@ from veritrain.protocol.messages import (
     Registration,
     RoundResult,
     RunSpec,
+    ShardCheckShare,
+    ShardFindingReport,
+    ShardPublication,
+    Signed,
     Submission,
+    max_shard_file_bytes,
     open_signed,
 )
 
@@ -67,6 +72,9 @@ STATUS_BY_REASON = {
     "banned": 403,
     "sealed": 403,
     "upload_timeout": 408,
+    "shard_list_fixed": 409,
+    "not_sharded": 409,
+    "wrong_shard": 403,
 }
 
 
@@ -364,6 +372,61 @@ async def get_beacon(request: web.Request) -> web.Response:
     ledger = request.app[LEDGER]
     return web.json_response(await ledger.read(
         queries.beacon, request.match_info["run_id"], path_round(request)))
+
+
+def _shard_message(request: web.Request, signed: Signed[Any]) -> None:
+    set_signer(request, signed.signer)
+    msg = signed.message
+    if msg.run_id != request.match_info["run_id"] or msg.round != path_round(request):
+        raise RejectedInput("message run or round differs from the URL", "wrong_round")
+
+
+@routes.post("/v1/runs/{run_id}/rounds/{round}/shards")
+async def post_shard_result(request: web.Request) -> web.Response:
+    """Multipart: ``publication`` (signed ShardPublication) then ``result`` (its tensor file)."""
+    ledger = request.app[LEDGER]
+    reader = await request.multipart()
+    raw = await part_bytes(request, reader, "publication", MAX_MESSAGE_BYTES)
+    signed = open_signed(decode_canonical(raw), ShardPublication)
+    _shard_message(request, signed)
+    msg = signed.message
+    spec = await ledger.read(lambda s: ledger.store.get_spec(s, msg.run_id))
+    if spec.validator_index(signed.signer) is None or not spec.shards:
+        raise RejectedInput("only a validator of a sharded run publishes shard results",
+                            "unknown_validator")
+    limit = max_shard_file_bytes(spec.num_params, spec.shards)
+    digest, size = await part_to_blob(request, reader, "result", limit, msg.result_hash)
+    if size != msg.result_bytes:
+        raise RejectedInput(f"result file is {size} bytes, the publication says "
+                            f"{msg.result_bytes}", "malformed")
+    await ledger.write(ledger.store.record_blob, digest, size, "shard", msg.run_id)
+    return web.json_response(await ledger.write(ledger.store.post_shard_result, signed),
+                             status=201)
+
+
+@routes.post("/v1/runs/{run_id}/rounds/{round}/shards/check")
+async def post_shard_check_share(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    signed = open_signed(await read_message(request), ShardCheckShare)
+    _shard_message(request, signed)
+    return web.json_response(await ledger.write(ledger.store.post_shard_check_share, signed))
+
+
+@routes.post("/v1/runs/{run_id}/rounds/{round}/shards/findings")
+async def post_shard_finding(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    signed = open_signed(await read_message(request), ShardFindingReport)
+    _shard_message(request, signed)
+    return web.json_response(await ledger.write(ledger.store.post_shard_finding, signed),
+                             status=201)
+
+
+@routes.get("/v1/runs/{run_id}/rounds/{round}/shards")
+async def get_round_shards(request: web.Request) -> web.Response:
+    """The round's shard results, the fixed list and check seed, findings and faults."""
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(
+        ledger.store.round_shards, request.match_info["run_id"], path_round(request)))
 
 
 @routes.get("/v1/runs/{run_id}/rounds/{round}/challenges")

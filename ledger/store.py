@@ -28,6 +28,9 @@ from veritrain.protocol.messages import (
     Registration,
     RoundResult,
     RunSpec,
+    ShardCheckShare,
+    ShardFindingReport,
+    ShardPublication,
     Signed,
     Submission,
     digest_of,
@@ -37,7 +40,7 @@ from veritrain.protocol.messages import (
 from veritrain.protocol.rules import SubmissionContext, check_submission
 from veritrain.protocol.schedule import Action, RoundStatus, RoundView, next_action
 
-from . import migrate
+from . import migrate, shards
 from . import schema as t
 from .chain import GENESIS_HASH, compute_event_hash
 from .challenges import check_reveal_wanted, fix_challenges, needed_by
@@ -138,6 +141,8 @@ class LedgerStore:
             raise RejectedInput("run spec not signed by its organiser", "bad_signature")
         if spec.quorum > len(spec.validators) or not spec.validators:
             raise RejectedInput("quorum larger than the validator set", "malformed")
+        if (problem := spec.sharding_problem()) is not None:
+            raise RejectedInput(problem, "malformed")
         keys = [v["ed25519"] for v in spec.validators]
         if len(set(keys)) != len(keys) or len({v["bls"] for v in spec.validators}) != len(keys):
             raise RejectedInput("validator keys repeat", "malformed")
@@ -417,6 +422,41 @@ class LedgerStore:
                 "run_id": msg.run_id, "round": msg.round, "reveal_deadline": rnd.reveal_deadline,
                 "challenges": fixed})
             return {"beacon": beacon}
+
+    # ----------------------------------------------------------------- sharded rounds
+
+    def _shard_post(self, signed: Signed[Any], what: str, accept: Callable[..., Any],
+                    chain_kind: str) -> dict[str, Any]:
+        msg = signed.message
+        with self.sessions.begin() as s:
+            spec = self.get_spec(s, msg.run_id)
+            idx, rnd = self._closed_round_for_validator(s, spec, signed.signer, msg.validator,
+                                                        msg.round, what)
+            reply, new, events = accept(s, spec, idx, rnd, signed, self.clock())
+            if new:
+                self._append(s, msg.run_id, chain_kind, signed.encode())
+            for ev in events:
+                kind = ev.pop("kind")
+                self._ledger_event(s, msg.run_id, kind, {"run_id": msg.run_id, **ev})
+            return reply
+
+    def post_shard_result(self, signed: Signed[ShardPublication]) -> dict[str, Any]:
+        """A validator's shard result (its tensor file is stored already)."""
+        return self._shard_post(signed, "shard result", shards.accept_result, "shard_result")
+
+    def post_shard_check_share(self, signed: Signed[ShardCheckShare]) -> dict[str, Any]:
+        """A BLS share over the published results; the first fixes the list, a quorum the seed."""
+        return self._shard_post(signed, "shard check share", shards.accept_check_share,
+                                "shard_check_share")
+
+    def post_shard_finding(self, signed: Signed[ShardFindingReport]) -> dict[str, Any]:
+        """A settled dispute over another validator's shard."""
+        return self._shard_post(signed, "shard finding", shards.accept_finding, "shard_finding")
+
+    def round_shards(self, s: Session, run_id: str, r: int) -> dict[str, Any]:
+        spec = self.get_spec(s, run_id)
+        self._round(s, run_id, r)
+        return shards.round_shards(s, spec, r)
 
     # ----------------------------------------------------------------- reveals
 

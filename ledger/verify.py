@@ -45,7 +45,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from veritrain.protocol import bls
-from veritrain.protocol.beacon import beacon_root, beacon_seed_of
+from veritrain.protocol.beacon import (
+    beacon_root,
+    beacon_seed_of,
+    compute_beacon_seed,
+    shard_check_root,
+)
 from veritrain.protocol.certificates import CERTIFICATE
 from veritrain.protocol.encoding import decode_canonical
 from veritrain.protocol.errors import RejectedInput
@@ -56,6 +61,9 @@ from veritrain.protocol.messages import (
     Registration,
     RoundResult,
     RunSpec,
+    ShardCheckShare,
+    ShardFindingReport,
+    ShardPublication,
     Submission,
     digest_of,
     open_signed,
@@ -67,7 +75,8 @@ from .chain import GENESIS_HASH, ChainRow, is_valid_checkpoint
 
 #: Signed kinds opened (signature verified) in every mode: a few rows per round.
 ALWAYS_OPENED = {"run_spec": RunSpec, "beacon_share": BeaconShare,
-                 "round_result": RoundResult}
+                 "round_result": RoundResult, "shard_result": ShardPublication,
+                 "shard_check_share": ShardCheckShare, "shard_finding": ShardFindingReport}
 #: Fields of a verdict row served by the API that must equal the certified result.
 VIEW_FIELDS = ("status", "reason", "detail", "spot_checked", "distance", "samples", "quality",
                "score", "reward")
@@ -661,6 +670,8 @@ class _Round:
     closed: list[str] | None = None
     beacon_seed: str | None = None
     results: list[_Result] = field(default_factory=list)
+    shard_results: list[str | None] | None = None  # result digests by shard, once published
+    shard_list: list[str | None] | None = None
     bans: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     penalties: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     certified: _Result | None = None
@@ -839,6 +850,62 @@ class _Pass:
             raise Bad("beacon share before the round closed")
         if self.full:
             self.jobs.append((i, "share", {"bls": self._need_spec().validators[idx]["bls"]}))
+
+    def _sharded_round(self, signer: str, named: str, r: int) -> tuple[int, _Round]:
+        spec = self._need_spec()
+        idx = self._validator_index(signer, named)
+        rnd = self._round_of(r)
+        if not spec.shards:
+            raise Bad("shard message in a run that does not shard")
+        if rnd.beacon_seed is None:
+            raise Bad("shard message before the round's beacon was fixed")
+        if rnd.shard_results is None:
+            rnd.shard_results = [None] * spec.shards
+        return idx, rnd
+
+    def _shard_result(self, i: int, row: ChainRow, signed: Any) -> None:
+        pub: ShardPublication = signed.message
+        idx, rnd = self._sharded_round(signed.signer, pub.validator, pub.round)
+        assert rnd.shard_results is not None
+        if pub.shard != idx or rnd.shard_results[idx] is not None or rnd.shard_list is not None:
+            raise Bad("shard result for another shard, repeated, or after the list was fixed")
+        rnd.shard_results[idx] = pub.result_digest
+
+    def _shard_check_share(self, i: int, row: ChainRow, signed: Any) -> None:
+        share: ShardCheckShare = signed.message
+        idx, rnd = self._sharded_round(signed.signer, share.validator, share.round)
+        if share.results != (rnd.shard_list if rnd.shard_list is not None
+                             else rnd.shard_results):
+            raise Bad("check share over another list than the published shard results")
+        if self.full and not bls.verify(
+                bytes.fromhex(self._need_spec().validators[idx]["bls"]),
+                shard_check_root(share.run_id, share.round, share.results),
+                bytes.fromhex(share.share)):
+            raise Bad("shard check share does not verify")
+
+    def _shard_finding(self, i: int, row: ChainRow, signed: Any) -> None:
+        found: ShardFindingReport = signed.message
+        idx, rnd = self._sharded_round(signed.signer, found.validator, found.round)
+        if rnd.shard_list is None or found.shard == idx or not 0 <= found.shard < len(
+                rnd.shard_list) or found.published_digest != rnd.shard_list[found.shard]:
+            raise Bad("finding about a shard result that is not in the fixed list")
+
+    def _rec_shard_list_fixed(self, i: int, body: dict[str, Any]) -> None:
+        rnd = self._round_of(body["round"])
+        if rnd.shard_list is not None or body["results"] != rnd.shard_results:
+            raise Bad("fixed shard list differs from the published results")
+        rnd.shard_list = body["results"]
+
+    def _rec_shard_check_fixed(self, i: int, body: dict[str, Any]) -> None:
+        spec = self._need_spec()
+        rnd = self._round_of(body["round"])
+        signers = body["signers"]
+        if len(set(signers)) != len(signers) or len(signers) < spec.quorum or signers != sorted(
+                signers) or any(not 0 <= k < len(spec.validators) for k in signers):
+            raise Bad("shard check signers are not a quorum of the validator set")
+        if body["results"] != rnd.shard_list or body["seed"] != compute_beacon_seed(
+                [bytes.fromhex(x) for x in body["shares"]]).hex():
+            raise Bad("shard check seed does not follow from its list and shares")
 
     def _round_result(self, i: int, row: ChainRow, signed: Any, facts: ResultFacts) -> None:
         res: RoundResult | ResultView = signed.message

@@ -26,6 +26,29 @@ def beacon_root(run_id: str, round_index: int) -> bytes:
     return compute_signing_root("beacon", run_id, round_index, b"")
 
 
+def shard_check_root(run_id: str, round_index: int, results: Sequence[str | None]) -> bytes:
+    """What each validator BLS-signs to draw a sharded round's check seed.
+
+    The body is ``shard_check_body`` of the shard results' digests in shard
+    order, an empty digest where a shard has none (specs/secure-averaging.md A.4).
+    """
+    body = shard_check_body([bytes.fromhex(d) if d else b"" for d in results])
+    return compute_signing_root("shard_check", run_id, round_index, body)
+
+
+def shard_check_body(result_digests: Sequence[bytes]) -> bytes:
+    """SHA-256 over the shard results' digests in shard order, each length-prefixed.
+
+    Fixed by the results and unknown before they are all published; the check
+    seed is ``compute_beacon_seed`` of a quorum's BLS signatures over it (unique
+    signatures: nobody can grind the sample).
+    """
+    h = hashlib.sha256(b"veritrain/v1/secure/shard-check-body")
+    for dgst in result_digests:
+        h.update(len(dgst).to_bytes(4, "big") + dgst)
+    return h.digest()
+
+
 def compute_beacon_seed(shares_in_index_order: Sequence[bytes]) -> bytes:
     """32-byte seed from the quorum's beacon shares, ordered by validator index."""
     if not shares_in_index_order:

@@ -174,6 +174,10 @@ VERIFICATION = f.record(
     # Added with the probe filter: specs signed before it have no probe (both 0).
     absent_ok=frozenset({"probe_examples", "probe_factor"}),
 )
+AGGREGATOR = f.record(
+    {"name": f.string(200), "params": f.free_params(), "shards": f.integer(2, 256)},
+    absent_ok=frozenset({"shards"}),
+)
 LIMITS = f.record({"max_payload_bytes": f.integer(1, 1 << 34)})
 REWARDS = f.record({"per_round": f.number(0.0, 1e18)})
 
@@ -218,7 +222,7 @@ class RunSpec(Message):
         "inner": INNER,
         "outer": OUTER,
         "codec": NAMED_PARAMS,
-        "aggregator": NAMED_PARAMS,
+        "aggregator": AGGREGATOR,
         "schedule": SCHEDULE,
         "verification": VERIFICATION,
         "limits": LIMITS,
@@ -238,6 +242,30 @@ class RunSpec(Message):
         """``(probe_examples, probe_factor)``; ``(0, 0.0)`` (no probe filter) when absent."""
         v = self.verification
         return int(v.get("probe_examples", 0)), float(v.get("probe_factor", 0.0))
+
+    @property
+    def shards(self) -> int:
+        """How many coordinate shards the validators aggregate (``aggregator.shards``):
+        0 when one validator aggregates everything alone."""
+        return int(self.aggregator.get("shards", 0))
+
+    def sharding_problem(self) -> str | None:
+        """Why ``aggregator.shards`` cannot run, or None (specs/secure-averaging.md E):
+        sharding computes the CenteredClip fixed point, one shard per validator."""
+        if not self.shards:
+            return None
+        if self.aggregator["name"] != "centered_clip":
+            return "sharded aggregation needs the centered_clip aggregator"
+        if self.shards != len(self.validators):
+            return (f"{self.shards} shards for {len(self.validators)} validators: "
+                    "each validator aggregates one shard")
+        if self.aggregator["params"].get("bucket_size", 1) != 1:
+            return "sharded aggregation does not combine with bucket_size"
+        if "tau" not in self.aggregator["params"] and "tau_rel" not in self.aggregator["params"]:
+            return "sharded aggregation needs a clipping radius (tau or tau_rel)"
+        if self.shards > self.num_params:
+            return "more shards than parameters"
+        return None
 
     def validator_index(self, ed25519_hex: str) -> int | None:
         for i, v in enumerate(self.validators):
@@ -446,6 +474,109 @@ class BeaconShare(Message):
         "round": f.integer(0, MAX_ROUND),
         "validator": f.PUBKEY,
         "share": f.BLS_SIGNATURE,
+    }
+
+
+# --------------------------------------------------------------------------- sharded aggregation
+
+MAX_SHARDS = 256
+
+
+def max_shard_file_bytes(num_params: int, shards: int) -> int:
+    """Largest shard result file: float32 aggregate of the longest shard, float64 distance
+    and up to 4 int64 heavy blocks per row for MAX_WORKERS_PER_ROUND rows, a 64 KiB header."""
+    return 4 * (num_params // shards + 1) + MAX_WORKERS_PER_ROUND * (8 + 4 * 8) + (1 << 16)
+
+
+@dataclass(frozen=True)
+class ShardPublication(Message):
+    """A validator's CenteredClip fixed point on its coordinate shard (sharded runs).
+
+    ``result_digest`` is ``ShardResult.digest()`` (specs/secure-averaging.md A.3),
+    ``result_hash`` the sha256 of the safetensors blob that carries it, and
+    ``inputs_digest`` what the validator aggregated: the accepted submissions
+    and the radius (``validators.sharded.inputs_digest``).
+    """
+
+    KIND: ClassVar[str] = "shard_result"
+    run_id: str
+    round: int
+    validator: str
+    shard: int
+    inputs_digest: str
+    result_digest: str
+    result_hash: str
+    result_bytes: int
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, MAX_ROUND),
+        "validator": f.PUBKEY,
+        "shard": f.integer(0, MAX_SHARDS - 1),
+        "inputs_digest": f.HASH,
+        "result_digest": f.HASH,
+        "result_hash": f.HASH,
+        "result_bytes": f.integer(1, 1 << 40),
+    }
+
+
+@dataclass(frozen=True)
+class ShardCheckShare(Message):
+    """A validator's BLS signature over the round's published shard results.
+
+    ``results`` lists each shard's ``result_digest`` in shard order (None where
+    none was published); ``share`` signs ``shard_check_root`` of that list. A
+    quorum of shares fixes the check seed exactly as the round beacon is fixed.
+    """
+
+    KIND: ClassVar[str] = "shard_check_share"
+    run_id: str
+    round: int
+    validator: str
+    results: list[str | None]
+    share: str
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, MAX_ROUND),
+        "validator": f.PUBKEY,
+        "results": f.list_of(f.optional(f.HASH), MAX_SHARDS),
+        "share": f.BLS_SIGNATURE,
+    }
+
+
+@dataclass(frozen=True)
+class ShardFindingReport(Message):
+    """A validator's settled dispute over another validator's shard result.
+
+    ``faulty`` comes from the exact check of every coordinate (deterministic, so
+    honest validators agree); ``reason`` is ``stationarity``, ``distance``,
+    ``malformed: ...``, ``missing`` (nothing published in time) or ``ok``.
+    """
+
+    KIND: ClassVar[str] = "shard_finding"
+    run_id: str
+    round: int
+    validator: str
+    shard: int
+    publisher: str
+    faulty: bool
+    reason: str
+    published_digest: str | None
+    replacement_digest: str
+    max_abs_deviation: float | None
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, MAX_ROUND),
+        "validator": f.PUBKEY,
+        "shard": f.integer(0, MAX_SHARDS - 1),
+        "publisher": f.PUBKEY,
+        "faulty": f.boolean,
+        "reason": f.string(200),
+        "published_digest": f.optional(f.HASH),
+        "replacement_digest": f.HASH,
+        "max_abs_deviation": f.optional(f.number(0.0, 1e300)),
     }
 
 

@@ -30,6 +30,10 @@ DOMAINS = (
     "certificate",
     "ledger_event",
     "blob_upload",
+    "shard_result",
+    "shard_check",
+    "shard_check_share",
+    "shard_finding",
 )
 
 

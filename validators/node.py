@@ -2,7 +2,9 @@
 
 For round r it: verifies the base model against the previous certificate,
 posts its beacon share and waits for the round's fixed beacon, fetches the
-sealed submissions and their payloads, runs :func:`process_round`, and posts
+sealed submissions and their payloads, runs the round's filters, aggregates
+(alone, or in a sharded run with the other validators: validators/sharded.py),
+takes the outer step (validators/round.py), and posts
 its signed result with a BLS attestation and the new model and momentum. It
 keeps no state of its own: after a restart it reads where the run stands
 from the ledger and carries on.
@@ -13,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from veritrain.protocol.beacon import beacon_root, beacon_seed_of
+import torch
+from veritrain.protocol.beacon import beacon_root, beacon_seed_of, shard_check_root
 from veritrain.protocol.challenges import max_reveal_bytes
 from veritrain.protocol.client import LedgerClient, LedgerRefused
 from veritrain.protocol.errors import RejectedInput
@@ -27,8 +30,12 @@ from veritrain.protocol.messages import (
     CertifiedState,
     Registration,
     RoundResult,
+    ShardCheckShare,
+    ShardFindingReport,
+    ShardPublication,
     Submission,
     digest_of,
+    max_shard_file_bytes,
     open_signed,
     sign,
 )
@@ -36,7 +43,15 @@ from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import sha256_hex
 
 from .checks import Candidate
-from .round import RoundOutcome, process_round
+from .round import FilteredRound, RoundOutcome, aggregate_locally, filter_round, finish_round
+from .sharded import (
+    Settlement,
+    compute_own_shard,
+    decode_shard_result,
+    encode_shard_result,
+    inputs_digest,
+    settle_shards,
+)
 
 log = logging.getLogger("veritrain.validator")
 
@@ -48,6 +63,12 @@ class ValidatorConfig:
     device: str = "cpu"
     poll_seconds: float = 0.5
     retry_for: float = 300.0
+    #: Sharded runs: seconds to wait for the other validators' shard results
+    #: before signing off the list without them (they are then recomputed).
+    shard_wait: float = 120.0
+    #: Evaluation only: ``shard_shift`` publishes this validator's shard scaled by
+    #: 1 + 1e-3, the tiny corruption the other validators' checks must catch.
+    attack: str | None = None
 
 
 class ValidatorNode:
@@ -160,9 +181,15 @@ class ValidatorNode:
                 payload = None
             candidates.append(Candidate(signed, payload))
         evidence = await self.gather_evidence(client, spec.run_id, r, run.numel)
-        outcome = await asyncio.to_thread(
-            process_round, run, r, info["base_model_hash"], base_flat, outer, candidates,
+        filtered = await asyncio.to_thread(
+            filter_round, run, r, info["base_model_hash"], base_flat, candidates,
             registered, banned, seed, evidence=evidence, device=self.config.device)
+        if spec.shards and filtered.stacked is not None:
+            aggregate = await self.sharded_aggregate(client, run, filtered)
+        else:
+            aggregate = await asyncio.to_thread(aggregate_locally, run, filtered, seed)
+        outcome = await asyncio.to_thread(finish_round, run, filtered, aggregate, base_flat,
+                                          outer, device=self.config.device)
         model_bytes = run.encode_model(outcome.new_flat)
         outer_bytes = outcome.new_outer.to_bytes()
         certified = CertifiedState(
@@ -187,3 +214,122 @@ class ValidatorNode:
                  len(outcome.accepted), len(rejected), outcome.eval_loss, reply["status"],
                  time.monotonic() - started)
         return outcome
+
+    # ------------------------------------------------------------- sharded rounds
+
+    async def sharded_aggregate(self, client: LedgerClient, run: RunContext,
+                                filtered: FilteredRound) -> torch.Tensor:
+        """Publish this validator's shard, fix the list and check seed, settle the rest."""
+        spec = run.spec
+        r = filtered.round_index
+        me = spec.validator_index(self.me)
+        assert me is not None
+        path = f"/v1/runs/{spec.run_id}/rounds/{r}/shards"
+        own = await asyncio.to_thread(compute_own_shard, filtered, spec.shards, me)
+        published = own
+        if self.config.attack == "shard_shift":
+            published = replace(own, aggregate=own.aggregate * (1 + 1e-3))
+        blob = encode_shard_result(published)
+        digest = published.digest().hex()
+        pub = ShardPublication(run_id=spec.run_id, round=r, validator=self.me, shard=me,
+                               inputs_digest=inputs_digest(filtered), result_digest=digest,
+                               result_hash=sha256_hex(blob), result_bytes=len(blob))
+        try:
+            await client.post_multipart(path, [
+                ("publication", sign(self.identity, pub).encode(), "application/json"),
+                ("result", blob, "application/octet-stream")])
+        except LedgerRefused as exc:
+            if exc.reason != "shard_list_fixed":
+                raise
+            log.warning("round %d: shard %d was late, the others recompute it", r, me)
+        view = await self._shard_list(client, spec, path)
+        check = view["check"]
+        while check is None:
+            await asyncio.sleep(self.config.poll_seconds)
+            check = (await client.get_json(path))["check"]
+        listed = check["results"]
+        pubs = {}
+        for wire in view["results"]:
+            p = open_signed(wire, ShardPublication).message
+            if p.shard != me and p.result_digest == listed[p.shard]:
+                pubs[p.shard] = p
+        others: dict[int, Any] = {}
+        for k in range(spec.shards):
+            if k == me:
+                continue
+            p = pubs.get(k)
+            if p is None:
+                others[k] = None
+                continue
+            try:
+                data = await client.get_blob(
+                    p.result_hash, max_bytes=max_shard_file_bytes(spec.num_params, spec.shards))
+                result = decode_shard_result(
+                    data, max_bytes=max_shard_file_bytes(spec.num_params, spec.shards))
+                others[k] = (result if result.digest().hex() == p.result_digest
+                             else "the file's digest differs from the published one")
+            except (LedgerRefused, RejectedInput) as exc:
+                others[k] = str(exc)[:200]
+            if p.inputs_digest != pub.inputs_digest:
+                log.warning("round %d: validator %d aggregated other rows than this one", r, k)
+        settled = await asyncio.to_thread(
+            settle_shards, filtered, own, others, num_shards=spec.shards, me=me,
+            check_seed=bytes.fromhex(check["seed"]))
+        await self._post_findings(client, spec, r, settled, listed)
+        return settled.aggregate
+
+    async def _shard_list(self, client: LedgerClient, spec: Any, path: str) -> dict[str, Any]:
+        """Wait for every shard or ``shard_wait``; sign the list (the ledger fixes the first)."""
+        deadline = time.monotonic() + self.config.shard_wait
+        view = await client.get_json(path)
+        while (view["list"] is None and time.monotonic() < deadline
+               and any(x is None for x in _published(view, spec.shards))):
+            await asyncio.sleep(self.config.poll_seconds)
+            view = await client.get_json(path)
+        while True:
+            results = view["list"] if view["list"] is not None else _published(view,
+                                                                                spec.shards)
+            share = ShardCheckShare(
+                run_id=spec.run_id, round=view["round"], validator=self.me, results=results,
+                share=self.identity.sign_bls(
+                    shard_check_root(spec.run_id, view["round"], results)).hex())
+            try:
+                await client.post_message(path + "/check", sign(self.identity, share).to_wire())
+                return await client.get_json(path)
+            except LedgerRefused as exc:
+                if exc.reason != "shard_list_fixed":
+                    raise
+                view = await client.get_json(path)
+
+    async def _post_findings(self, client: LedgerClient, spec: Any, r: int,
+                             settled: Settlement, listed: list[str | None]) -> None:
+        for d in settled.disputes:
+            if d.replacement is None and not d.faulty:
+                log.info("round %d: shard %d failed a sampled check but is exact (%s)", r,
+                         d.shard, d.reason)
+            replacement = d.replacement or settled.used[d.shard]
+            report = ShardFindingReport(
+                run_id=spec.run_id, round=r, validator=self.me, shard=d.shard,
+                publisher=spec.validators[d.shard]["ed25519"], faulty=d.faulty,
+                reason=d.reason[:200], published_digest=listed[d.shard],
+                replacement_digest=replacement.digest().hex(),
+                max_abs_deviation=(d.max_abs_deviation if d.max_abs_deviation is not None
+                                   and d.max_abs_deviation < 1e300 else None))
+            if d.faulty:
+                log.warning("round %d: shard %d of validator %d is faulty (%s); recomputed", r,
+                            d.shard, d.publisher, d.reason)
+            try:
+                await client.post_message(f"/v1/runs/{spec.run_id}/rounds/{r}/shards/findings",
+                                          sign(self.identity, report).to_wire())
+            except LedgerRefused as exc:
+                log.warning("round %d: finding on shard %d refused: %s", r, d.shard, exc)
+
+
+def _published(view: dict[str, Any], shards: int) -> list[str | None]:
+    """Each shard's result digest in a ledger view, None where none was posted yet."""
+    out: list[str | None] = [None] * shards
+    for wire in view["results"]:
+        body = wire["body"]
+        if 0 <= body["shard"] < shards:
+            out[body["shard"]] = body["result_digest"]
+    return out

@@ -57,6 +57,8 @@ def _settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.aggregator:
         settings["aggregator"] = {"name": args.aggregator,
                                   "params": json.loads(args.aggregator_params or "{}")}
+    if args.shards:
+        settings["aggregator"]["shards"] = args.shards
     if args.codec:
         settings["codec"] = {"name": args.codec, "params": json.loads(args.codec_params or "{}")}
     return settings
@@ -122,7 +124,8 @@ def cmd_validator(args: argparse.Namespace) -> int:
     identity = read_key_file(Path(args.key))
     _check_device(args.device)
     config = ValidatorConfig(ledger_url=args.ledger, run_id=args.run, device=args.device,
-                             retry_for=args.retry_for)
+                             retry_for=args.retry_for, shard_wait=args.shard_wait,
+                             attack=args.attack)
     asyncio.run(ValidatorNode(config, identity).run(max_rounds=args.max_rounds))
     return 0
 
@@ -196,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tolerance", type=float, help="spot-check relative distance tolerance")
     c.add_argument("--aggregator", help="robust aggregator name (default centered_clip)")
     c.add_argument("--aggregator-params", help="aggregator parameters as JSON")
+    c.add_argument("--shards", type=int,
+                   help="split the aggregation into one coordinate shard per validator "
+                   "(must equal the number of validators; centered_clip only)")
     c.add_argument("--codec", help="payload codec name (default int8)")
     c.add_argument("--codec-params", help="codec parameters as JSON, e.g. "
                    '\'{"rank": 8, "bits": 3, "layout": "model"}\' for lowrank')
@@ -246,6 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
             n.add_argument("--no-progress", action="store_true", help="no progress bar")
             n.add_argument("--attack", choices=["free_rider", "sign_flip"],
                            help="evaluation only: behave as this kind of cheater")
+        else:
+            n.add_argument("--shard-wait", type=float, default=120.0,
+                           help="sharded runs: seconds to wait for the other validators' "
+                           "shards before they are recomputed")
+            n.add_argument("--attack", choices=["shard_shift"],
+                           help="evaluation only: publish this validator's shard shifted "
+                           "by 0.1%%, which the others must catch")
         n.set_defaults(func=func)
 
     a = sub.add_parser("audit", help="read and verify a run's ledger",
@@ -278,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-clean-run", action="store_true",
                    help="skip the reference run without cheaters")
     d.add_argument("--device", default="cpu")
+    d.add_argument("--sharded", action="store_true",
+                   help="validators aggregate one coordinate shard each and check the others")
+    d.add_argument("--shard-cheater", action="store_true",
+                   help="with --sharded: the last validator shifts its shard by 0.1%%")
     d.set_defaults(func=cmd_demo)
     return p
 

@@ -4,6 +4,11 @@ Starts a ledger, validators and workers as separate processes talking HTTP on
 loopback. Two runs with the same seed and the same honest workers: a clean
 one, and one where the last two workers cheat (a free rider that submits
 noise without training, and a sign flipper). The report compares them.
+
+With ``--sharded`` the validators split the aggregation into one coordinate
+shard each and check one another's shards; ``--shard-cheater`` makes the last
+validator publish its shard shifted by 0.1% every round, which the others must
+catch, record and recompute (specs/secure-averaging.md A).
 """
 
 from __future__ import annotations
@@ -64,12 +69,22 @@ async def _audit(url: str, run_id: str) -> Any:
         return verify_events(await fetch_events(client, run_id), ledger_key)
 
 
+async def _shard_faults(url: str, run_id: str, rounds: int) -> dict[int, list[int]]:
+    """Round -> the shards a quorum of validators found faulty (sharded runs)."""
+    async with LedgerClient(url, retry_for=30.0) as client:
+        return {r: (await client.get_json(f"/v1/runs/{run_id}/rounds/{r}/shards"))[
+            "faulty_shards"] for r in range(rounds)}
+
+
 def _run_swarm(procs: LocalProcesses, url: str, run_id: str, validators: list[tuple[Path, Identity]],
                workers: list[tuple[Path, Identity]], attacks: dict[int, str], out: Path,
-               device: str, timeout: float) -> dict[str, Any]:
+               device: str, timeout: float, shard_cheater: int | None = None) -> dict[str, Any]:
     for i, (path, _) in enumerate(validators):
-        procs.start(f"{run_id}-validator-{i}", ["validator", "--ledger", url, "--key", str(path),
-                                                "--run", run_id, "--device", device])
+        args = ["validator", "--ledger", url, "--key", str(path), "--run", run_id,
+                "--device", device]
+        if i == shard_cheater:
+            args += ["--attack", "shard_shift"]
+        procs.start(f"{run_id}-validator-{i}", args)
     for i, (path, _) in enumerate(workers):
         args = ["worker", "--ledger", url, "--key", str(path), "--run", run_id, "--device",
                 device, "--no-progress", "--state-dir", str(out / "worker-state" / f"w{i}")]
@@ -146,9 +161,20 @@ def run_demo(args: argparse.Namespace) -> int:
     workers = _keys(out, "worker", n_workers)
     settings = run_preset(args.preset)
     settings["schedule"]["max_rounds"] = args.rounds
+    shard_cheater = None
+    if args.sharded:
+        if args.validators < 3:
+            raise SystemExit("--sharded needs at least 3 validators (a quorum of honest "
+                             "checkers besides any one publisher)")
+        settings["aggregator"]["shards"] = args.validators
+        shard_cheater = args.validators - 1 if args.shard_cheater else None
+    elif args.shard_cheater:
+        raise SystemExit("--shard-cheater needs --sharded")
     seed = secrets.token_hex(32)  # one seed for both runs: same data for the same workers
     print(f"veritrain demo: {n_workers} workers ({', '.join(CHEATERS)} among them), "
-          f"{args.validators} validator(s), {args.rounds} rounds of charlm ({args.preset})")
+          f"{args.validators} validator(s){' aggregating one shard each' if args.sharded else ''}"
+          f"{' (the last one shifts its shard)' if shard_cheater is not None else ''}, "
+          f"{args.rounds} rounds of charlm ({args.preset})")
     procs = LocalProcesses(out / "logs")
     started = time.monotonic()
     try:
@@ -168,7 +194,8 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"\nrun {run_id}: {bundle.signed.message.num_params} parameters, "
                   f"{len(swarm)} workers")
             reports[label] = _run_swarm(procs, url, run_id, validators, swarm, run_attacks,
-                                        out / label, args.device, timeout=1800)
+                                        out / label, args.device, timeout=1800,
+                                        shard_cheater=shard_cheater)
         cheat = reports["cheaters"]
         print("\n" + format_report(cheat))
         summary = summarize(cheat, workers, attacks)
@@ -187,6 +214,17 @@ def run_demo(args: argparse.Namespace) -> int:
                       if c["caught_in_round"] is not None else "NOT caught")
             print(f"  {name:<11} {c['worker']}: {status}, total score {c['score']:.0f}")
         print(f"  honest workers rejected: {len(summary['honest_rejections'])}")
+        shard_ok = True
+        if args.sharded:
+            faults = asyncio.run(_shard_faults(url, "demo-cheaters", args.rounds))
+            caught = [r for r, shards in faults.items() if shard_cheater in shards]
+            wrong = [r for r, shards in faults.items() if set(shards) - {shard_cheater}]
+            summary["shard_faults"] = {str(r): v for r, v in faults.items()}
+            if shard_cheater is not None:
+                print(f"  shard shifter (validator {shard_cheater}): caught and recomputed in "
+                      f"{len(caught)} of {args.rounds} rounds")
+            print(f"  honest shards found faulty: {len(wrong)}")
+            shard_ok = not wrong and (shard_cheater is None or len(caught) == args.rounds)
         gap = None
         if "clean" in final:
             gap = final["cheaters"] / final["clean"] - 1
@@ -204,7 +242,7 @@ def run_demo(args: argparse.Namespace) -> int:
             {"reports": reports, "summary": summary, "final_eval_loss": final,
              "audit_ok": audit.ok}, indent=1))
         ok = (all(c["caught_in_round"] is not None for c in summary["cheaters"].values())
-              and not summary["honest_rejections"] and audit.ok
+              and not summary["honest_rejections"] and audit.ok and shard_ok
               and (gap is None or gap <= 0.05))
         return 0 if ok else 1
     finally:

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from torch import Tensor
+from veritrain.protocol.beacon import shard_check_body
 
 from .._inputs import Weights, check_updates
 from .prg import derive_key, uniform_indices
@@ -95,19 +96,6 @@ DEFAULT_Z = 8.0
 FLOOR = 1e-3
 #: Extra tolerance, times d_i^2, for estimates *below* the published d_i^2.
 LOWER_SLACK = 0.1
-
-
-def shard_check_body(result_digests: Sequence[bytes]) -> bytes:
-    """What validators BLS-sign (domain ``shard_check``) to draw the check seed.
-
-    SHA-256 over the shard results' digests in shard order.  The seed is then
-    ``compute_beacon_seed`` of those unique signatures, as for the round beacon:
-    fixed by the results, unknown before they are all published, not grindable.
-    """
-    h = hashlib.sha256(b"veritrain/v1/secure/shard-check-body")
-    for dgst in result_digests:
-        h.update(len(dgst).to_bytes(4, "big") + dgst)
-    return h.digest()
 
 
 def compute_check_seed(beacon_seed: bytes, result_digests: Sequence[bytes]) -> bytes:

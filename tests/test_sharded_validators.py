@@ -1,0 +1,232 @@
+"""Sharded aggregation between validators: one shard each, checked by the others.
+
+Three validators judge one round over HTTP against a live ledger, each
+aggregating one coordinate shard; one of them shifts its shard by 0.1%. The
+other two catch it on their sampled checks, recompute the shard, record the
+fault on the ledger, and all three certify the model built from the honest
+shards; the audit of the ledger's chain still verifies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import pytest
+import torch
+from fakes import validator_identities
+from ledger_harness import Api, run_api
+from safetensors.torch import save as st_save
+from test_validator_http import honest, reveal_all, submit_all, synthetic_settings
+from veritrain.aggregation.secure import (
+    ShardResult,
+    aggregate_shard,
+    assemble_shards,
+    shard_bounds,
+    shard_tau,
+)
+from veritrain.ledger.audit import fetch_events, verify_events
+from veritrain.protocol.beacon import beacon_seed_of, shard_check_root
+from veritrain.protocol.client import LedgerClient
+from veritrain.protocol.errors import OversizedError, PayloadError
+from veritrain.protocol.identity import Identity
+from veritrain.protocol.messages import ShardCheckShare, sign
+from veritrain.protocol.organiser import build_run
+from veritrain.protocol.outer import OuterState
+from veritrain.protocol.runtime import RunContext
+from veritrain.validators.checks import Candidate
+from veritrain.validators.node import ValidatorConfig, ValidatorNode
+from veritrain.validators.round import FilteredRound, filter_round, finish_round
+from veritrain.validators.sharded import (
+    compute_own_shard,
+    decode_shard_result,
+    encode_shard_result,
+    settle_shards,
+)
+
+V = 3
+
+
+def _filtered(rows: torch.Tensor, tau: float) -> FilteredRound:
+    return FilteredRound(0, {}, {}, {}, {}, [f"w{i}" for i in range(rows.shape[0])], rows,
+                         {"tau": tau, "iterations": 10})
+
+
+@pytest.fixture(scope="module")
+def rows() -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 3000, generator=g)
+    x[5] *= 20.0  # one far row, so clipping matters
+    return x
+
+
+def _all_shards(rows: torch.Tensor, tau: float) -> list[ShardResult]:
+    return [compute_own_shard(_filtered(rows, tau), V, k) for k in range(V)]
+
+
+def test_shard_file_round_trip_is_exact(rows):
+    result = _all_shards(rows, 8.0)[1]
+    back = decode_shard_result(encode_shard_result(result), max_bytes=1 << 20)
+    assert back.digest() == result.digest()
+    assert torch.equal(back.aggregate, result.aggregate)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "oversized", "renamed", "metadata", "dtype"])
+def test_bad_shard_files_are_refused_before_use(rows, damage):
+    result = _all_shards(rows, 8.0)[0]
+    data = encode_shard_result(result)
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "renamed":
+        data = data.replace(b'"distances"', b'"distancez"')
+    elif damage == "metadata":
+        data = data.replace(b'"iterations":"', b'"iterations":"x')
+    elif damage == "dtype":
+        header_len = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8:8 + header_len])["__metadata__"]
+        data = st_save({"aggregate": result.aggregate.double(), "distances": result.distances,
+                        "heavy_blocks": result.heavy_blocks}, metadata=meta)
+    error = OversizedError if damage == "oversized" else PayloadError
+    with pytest.raises(error):
+        decode_shard_result(data, max_bytes=len(data) - 1 if damage == "oversized"
+                            else 1 << 20)
+
+
+def test_honest_shards_assemble_without_disputes(rows):
+    tau = 8.0
+    results = _all_shards(rows, tau)
+    settled = settle_shards(_filtered(rows, tau), results[0], {1: results[1], 2: results[2]},
+                            num_shards=V, me=0, check_seed=b"s" * 32)
+    assert settled.disputes == [] and all(c.ok for c in settled.checks)
+    assert torch.equal(settled.aggregate, assemble_shards(results, rows.shape[1]))
+
+
+@pytest.mark.parametrize("corruption", ["shift", "nan", "missing", "undecodable"])
+def test_a_bad_shard_is_blamed_and_replaced_by_the_recomputed_one(rows, corruption):
+    tau = 8.0
+    results = _all_shards(rows, tau)
+    bad: ShardResult | str | None
+    if corruption == "shift":
+        bad = dataclasses.replace(results[2], aggregate=results[2].aggregate * (1 + 1e-3))
+    elif corruption == "nan":
+        agg = results[2].aggregate.clone()
+        agg[7] = float("nan")
+        bad = dataclasses.replace(results[2], aggregate=agg)
+    else:
+        bad = None if corruption == "missing" else "does not parse"
+    settled = settle_shards(_filtered(rows, tau), results[0], {1: results[1], 2: bad},
+                            num_shards=V, me=0, check_seed=b"s" * 32)
+    assert [(d.shard, d.faulty) for d in settled.disputes] == [(2, True)]
+    if corruption in ("missing", "undecodable"):
+        assert settled.disputes[0].reason.startswith(("missing", "malformed"))
+    assert torch.equal(settled.aggregate, assemble_shards(results, rows.shape[1]))
+
+
+def test_shards_are_the_centered_clip_fixed_point_of_the_whole_vector(rows):
+    """Shard j uses tau_j = tau sqrt(n_j / D): each shard is its own fixed point."""
+    tau = 8.0
+    bounds = shard_bounds(rows.shape[1], V)
+    for k, result in enumerate(_all_shards(rows, tau)):
+        alone = aggregate_shard(rows[:, bounds[k][0]:bounds[k][1]], shard=0, num_shards=1,
+                                tau=shard_tau(tau, rows.shape[1], bounds[k]))
+        assert torch.equal(result.aggregate, alone.aggregate)
+
+
+# --------------------------------------------------------------------------- over HTTP
+
+
+def _sharded_settings() -> dict:
+    settings = synthetic_settings()
+    settings["aggregator"] = {"name": "centered_clip", "params": {"tau_rel": 1.0},
+                              "shards": V}
+    return settings
+
+
+def test_build_run_refuses_shards_that_do_not_match_the_validators():
+    organiser = Identity.generate("organiser")
+    settings = _sharded_settings()
+    with pytest.raises(ValueError, match="each validator aggregates one shard"):
+        build_run(organiser, "bad-shards", settings, [v.public for v in validator_identities(2)])
+    settings["aggregator"]["name"] = "median"
+    with pytest.raises(ValueError, match="centered_clip"):
+        build_run(organiser, "bad-shards", settings, [v.public for v in validator_identities(V)])
+
+
+def test_three_validators_catch_a_shifted_shard_and_certify_the_honest_model(tmp_path):
+    organiser = Identity.generate("organiser")
+    validators = validator_identities(V)
+    bundle = build_run(organiser, "shard-run", _sharded_settings(),
+                       [v.public for v in validators])
+    run = RunContext.build(bundle.signed.message, bundle.dataset)
+    base = run.decode_model(bundle.genesis)
+    workers = [Identity.generate("worker") for _ in range(4)]
+    preps = {w.public_key.hex(): honest(run, base, w) for w in workers}
+    evidence = {k: v for p in preps.values() for k, v in p.evidence.items()}
+    prepared = {k: (p.signed.message, p.payload) for k, p in preps.items()}
+    cheat = 2
+
+    async def judge(api: Api, k: int, ident: Identity):
+        node = ValidatorNode(ValidatorConfig(
+            ledger_url=api.url, run_id="shard-run", poll_seconds=0.05, shard_wait=60.0,
+            attack="shard_shift" if k == cheat else None), ident)
+        async with LedgerClient(api.url, retry_for=5.0) as client:
+            info = await client.get_json("/v1/runs/shard-run/rounds/0")
+            await node.beacon_seed(client, "shard-run", 0)
+            own_run = RunContext.build(bundle.signed.message, bundle.dataset)  # not thread-safe
+            return await node.validate_round(client, own_run, info)
+
+    async def reveal_once_challenged(api: Api) -> None:
+        while not (await api.get("/v1/runs/shard-run/rounds/0/challenges"))[1]["fixed"]:
+            await asyncio.sleep(0.05)
+        await reveal_all(api, "shard-run", evidence)
+
+    async def scenario(api: Api):
+        await submit_all(api, bundle, workers, prepared)
+        while (await api.get("/v1/runs/shard-run/rounds/0"))[1]["status"] == "open":
+            await asyncio.sleep(0.05)
+        outcomes, _ = await asyncio.gather(
+            asyncio.gather(*(judge(api, k, v) for k, v in enumerate(validators))),
+            reveal_once_challenged(api))
+        seed = bytes.fromhex(beacon_seed_of(
+            (await api.get("/v1/runs/shard-run/rounds/0/beacon"))[1]["beacon"]))
+        shards = (await api.get("/v1/runs/shard-run/rounds/0/shards"))[1]
+        summary = (await api.get("/v1/runs/shard-run/rounds/0"))[1]
+        # Late or forged messages are refused and change nothing.
+        share = ShardCheckShare(run_id="shard-run", round=0,
+                                validator=validators[0].public_key.hex(),
+                                results=[None] * V,
+                                share=validators[0].sign_bls(
+                                    shard_check_root("shard-run", 0, [None] * V)).hex())
+        late = await api.post_json("/v1/runs/shard-run/rounds/0/shards/check",
+                                   sign(validators[0], share).to_wire())
+        stranger = await api.post_json("/v1/runs/shard-run/rounds/0/shards/check",
+                                       sign(workers[0], share).to_wire())
+        async with LedgerClient(api.url) as client:
+            key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
+            audit = verify_events(await fetch_events(client, "shard-run"), key)
+        return outcomes, shards, summary, seed, late, stranger, audit
+
+    outcomes, shards, summary, seed, late, stranger, audit = run_api(tmp_path, scenario)
+    assert summary["status"] == "finalized"
+    assert all(torch.equal(o.new_flat, outcomes[0].new_flat) for o in outcomes)
+    # The faulty shard is recorded against its publisher by both honest validators.
+    assert shards["faulty_shards"] == [cheat]
+    reports = [f["body"] for f in shards["findings"]]
+    assert sorted(r["validator"] for r in reports) == sorted(
+        v.public_key.hex() for k, v in enumerate(validators) if k != cheat)
+    assert all(r["shard"] == cheat and r["faulty"] and r["reason"] == "stationarity"
+               and r["publisher"] == validators[cheat].public_key.hex() for r in reports)
+    assert shards["check"] is not None and len(shards["list"]) == V
+    # The certified aggregate is the honest one: every shard computed from the same rows.
+    only = [Candidate(p.signed, p.payload) for p in preps.values()]
+    filtered = filter_round(run, 0, run.spec.genesis_model_hash, base, only,
+                            set(preps), set(), seed, evidence=evidence)
+    honest_agg = assemble_shards([compute_own_shard(filtered, V, k) for k in range(V)],
+                                 run.numel)
+    reference = finish_round(run, filtered, honest_agg, base, OuterState.zeros(run.numel))
+    assert torch.equal(outcomes[0].aggregate, honest_agg)
+    assert torch.equal(outcomes[0].new_flat, reference.new_flat)
+    assert late[0] == 409 and late[1]["reason"] == "shard_list_fixed"
+    assert stranger[0] == 403
+    assert audit.ok, audit.problem
