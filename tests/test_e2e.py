@@ -139,3 +139,61 @@ def test_tiny_run_end_to_end_with_cheaters(tmp_path: Path):
     assert receipts and receipts == stored
     verdicts = list(db.execute("select worker, round from verdicts where run_id='e2e'"))
     assert sorted(verdicts) == sorted((w, r) for w, r, _ in stored)
+
+
+def test_sharded_run_end_to_end_catches_a_validator_that_shifts_its_shard(tmp_path: Path):
+    """Three validator processes aggregate one shard each; the last shifts its shard by
+    0.1% every round. The other two catch and recompute it every round, a quorum records
+    the fault, and every round is certified on the honest aggregate."""
+    from fakes import validator_identities
+
+    validators = validator_identities(3)
+    for i, ident in enumerate(validators):
+        write_key_file(tmp_path / f"validator-{i}.key", ident)
+    workers = [Identity.generate("worker") for _ in range(3)]
+    for i, ident in enumerate(workers):
+        write_key_file(tmp_path / f"worker-{i}.key", ident)
+    settings = run_preset("tiny")
+    settings["schedule"]["max_rounds"] = 2
+    settings["aggregator"]["shards"] = 3
+    bundle = build_run(Identity.generate("organiser"), "e2e-shards", settings,
+                       [v.public for v in validators])
+    procs = LocalProcesses(tmp_path / "logs")
+    try:
+        url = procs.start_ledger(tmp_path / "ledger")
+        for i in range(3):
+            procs.start(f"validator-{i}", [
+                "validator", "--ledger", url, "--key", str(tmp_path / f"validator-{i}.key"),
+                "--run", "e2e-shards", *(["--attack", "shard_shift"] if i == 2 else [])])
+        for i in range(3):
+            procs.start(f"worker-{i}", [
+                "worker", "--ledger", url, "--key", str(tmp_path / f"worker-{i}.key"),
+                "--run", "e2e-shards", "--no-progress", "--state-dir",
+                str(tmp_path / "state" / str(i))])
+        deadline = time.monotonic() + 300
+        while not all("waiting for run" in p.read_text()
+                      for p in (tmp_path / "logs").glob("*-*.log")):
+            assert time.monotonic() < deadline, "nodes did not start"
+            time.sleep(0.2)
+        asyncio.run(publish_run(url, bundle))
+        out = asyncio.run(_wait(url, "e2e-shards", timeout=420))
+
+        async def shards() -> list[dict]:
+            async with LedgerClient(url) as client:
+                return [await client.get_json(f"/v1/runs/e2e-shards/rounds/{r}/shards")
+                        for r in range(2)]
+
+        views = asyncio.run(shards())
+    finally:
+        procs.stop_all()
+    logs = "\n".join(p.read_text()[-2000:] for p in (tmp_path / "logs").glob("*.log"))
+    report, audit = out["report"], out["audit"]
+    assert [r["eval_loss"] is not None for r in report["rounds"]] == [True, True], logs
+    assert all(w["rejected"] == [] for w in report["workers"]), report["workers"]
+    for view in views:
+        assert view["faulty_shards"] == [2], view
+        reporters = {f["body"]["validator"] for f in view["findings"] if f["body"]["faulty"]}
+        assert reporters == {validators[0].public_key.hex(), validators[1].public_key.hex()}
+        assert len(view["results"]) == 3 and view["check"] is not None
+    assert audit.ok, audit.problem
+    assert audit.certificates == 2
