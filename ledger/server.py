@@ -73,6 +73,7 @@ STATUS_BY_REASON = {
     "sealed": 403,
     "upload_timeout": 408,
     "shard_list_fixed": 409,
+    "round_finalized": 409,
     "not_sharded": 409,
     "wrong_shard": 403,
 }

@@ -45,6 +45,12 @@ class ShardListFixed(RejectedInput):
     reason = "shard_list_fixed"
 
 
+class RoundFinalized(RejectedInput):
+    """A shard message for a round whose certificate is already fixed."""
+
+    reason = "round_finalized"
+
+
 def _rows(s: Session, run_id: str, r: int, kind: str) -> list[t.ShardMessage]:
     return list(s.execute(select(t.ShardMessage).where(
         t.ShardMessage.run_id == run_id, t.ShardMessage.round == r, t.ShardMessage.kind == kind)
@@ -78,7 +84,7 @@ def _sharded_round(spec: RunSpec, rnd: t.Round, what: str) -> None:
         raise RejectedInput(f"a {what} is taken only once round {rnd.round}'s beacon is fixed",
                             "wrong_state")
     if rnd.finalized_at is not None:
-        raise ShardListFixed(f"round {rnd.round} is finalized")
+        raise RoundFinalized(f"round {rnd.round} is finalized: its shards are settled")
 
 
 def accept_result(s: Session, spec: RunSpec, idx: int, rnd: t.Round,
@@ -149,7 +155,7 @@ def accept_finding(s: Session, spec: RunSpec, idx: int, rnd: t.Round,
                    signed: Signed[ShardFindingReport], now: float) -> Accepted:
     """Store a finding; once a quorum found one shard faulty, a ``shard_fault`` event."""
     msg = signed.message
-    if not spec.shards:
+    if not spec.shards:  # taken after finalization too: evidence is never late
         raise RejectedInput(f"run {spec.run_id} does not shard its aggregation", "not_sharded")
     if not 0 <= msg.shard < spec.shards or msg.shard == idx:
         raise RejectedInput("a validator reports on another validator's shard", "wrong_shard")

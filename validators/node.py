@@ -112,7 +112,13 @@ class ValidatorNode:
                 if any(x["body"]["validator"] == self.me for x in results["results"]):
                     await asyncio.sleep(self.config.poll_seconds)
                     continue
-                await self.validate_round(client, run, info)
+                try:
+                    await self.validate_round(client, run, info)
+                except LedgerRefused as exc:
+                    if exc.reason != "round_finalized":
+                        raise
+                    log.info("round %d was finalized without this validator: %s", r, exc.detail)
+                    continue
                 done += 1
 
     async def beacon_seed(self, client: LedgerClient, run_id: str, r: int) -> bytes:
