@@ -192,7 +192,7 @@ def test_three_validators_catch_a_shifted_shard_and_certify_the_honest_model(tmp
             (await api.get("/v1/runs/shard-run/rounds/0/beacon"))[1]["beacon"]))
         shards = (await api.get("/v1/runs/shard-run/rounds/0/shards"))[1]
         summary = (await api.get("/v1/runs/shard-run/rounds/0"))[1]
-        # Late or forged messages are refused and change nothing.
+        # Messages after finalization, or from strangers, are refused and change nothing.
         share = ShardCheckShare(run_id="shard-run", round=0,
                                 validator=validators[0].public_key.hex(),
                                 results=[None] * V,
@@ -227,6 +227,6 @@ def test_three_validators_catch_a_shifted_shard_and_certify_the_honest_model(tmp
     reference = finish_round(run, filtered, honest_agg, base, OuterState.zeros(run.numel))
     assert torch.equal(outcomes[0].aggregate, honest_agg)
     assert torch.equal(outcomes[0].new_flat, reference.new_flat)
-    assert late[0] == 409 and late[1]["reason"] == "shard_list_fixed"
+    assert late[0] == 409 and late[1]["reason"] == "round_finalized"
     assert stranger[0] == 403
     assert audit.ok, audit.problem

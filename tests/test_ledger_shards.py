@@ -1,0 +1,140 @@
+"""The ledger's part of sharded aggregation, on SQLite and PostgreSQL.
+
+Only a run's validators post, each only its own shard; the first check share
+fixes the list (it must sign exactly the stored results), later results and
+shares over another list are refused, a quorum of shares fixes the check seed
+as the beacon's rule does, a quorum of faulty findings marks the shard, and the
+audit of the chain verifies every new row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+from fakes import make_fake_run, make_submission
+from ledger_backends import make_fixture
+from ledger_harness import Api, run_api
+from veritrain.ledger.audit import fetch_events, verify_events
+from veritrain.protocol.beacon import beacon_root, compute_beacon_seed, shard_check_root
+from veritrain.protocol.client import LedgerClient
+from veritrain.protocol.identity import Identity
+from veritrain.protocol.messages import (
+    BeaconShare,
+    ShardCheckShare,
+    ShardFindingReport,
+    ShardPublication,
+    sign,
+)
+
+ledger_url = make_fixture()
+RUN = "shard-ledger"
+
+
+def _publication(v: Identity, shard: int, blob: bytes) -> ShardPublication:
+    return ShardPublication(run_id=RUN, round=0, validator=v.public_key.hex(), shard=shard,
+                            inputs_digest="1" * 64,
+                            result_digest=hashlib.sha256(b"result" + blob).hexdigest(),
+                            result_hash=hashlib.sha256(blob).hexdigest(),
+                            result_bytes=len(blob))
+
+
+def _share(v: Identity, results: list) -> ShardCheckShare:
+    return ShardCheckShare(run_id=RUN, round=0, validator=v.public_key.hex(), results=results,
+                           share=v.sign_bls(shard_check_root(RUN, 0, results)).hex())
+
+
+def _finding(v: Identity, about: Identity, shard: int, digest: str) -> ShardFindingReport:
+    return ShardFindingReport(run_id=RUN, round=0, validator=v.public_key.hex(), shard=shard,
+                              publisher=about.public_key.hex(), faulty=True,
+                              reason="stationarity", published_digest=digest,
+                              replacement_digest="2" * 64, max_abs_deviation=0.5)
+
+
+def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url):
+    run = make_fake_run(RUN, n_validators=3, quorum=2,
+                        aggregator={"name": "centered_clip", "params": {"tau_rel": 1.0},
+                                    "shards": 3})
+    v0, v1, v2 = run.validators
+    worker = Identity.generate("worker")
+    base = f"/v1/runs/{RUN}/rounds/0/shards"
+
+    async def post_result(api: Api, signer: Identity, pub: ShardPublication, blob: bytes):
+        return await api.post_parts(base, [("publication", sign(signer, pub).encode()),
+                                           ("result", blob)])
+
+    async def scenario(api: Api):
+        await api.create_run(run)
+        await api.register(run, worker)
+        await api.submit(make_submission(run, worker, b"p" * 8), b"p" * 8)
+        while (await api.get(f"/v1/runs/{RUN}/rounds/0"))[1]["status"] == "open":
+            await asyncio.sleep(0.05)
+        out = {"early": await post_result(api, v0, _publication(v0, 0, b"a"), b"a")}
+        for v in (v0, v1):
+            share = BeaconShare(run_id=RUN, round=0, validator=v.public_key.hex(),
+                                share=v.sign_bls(beacon_root(RUN, 0)).hex())
+            await api.post_json(f"/v1/runs/{RUN}/rounds/0/beacon", sign(v, share).to_wire())
+        pub0 = _publication(v0, 0, b"a")
+        out["first"] = await post_result(api, v0, pub0, b"a")
+        out["again"] = await post_result(api, v0, pub0, b"a")
+        out["other_digest"] = await post_result(api, v0, _publication(v0, 0, b"b"), b"b")
+        out["wrong_shard"] = await post_result(api, v0, _publication(v0, 1, b"c"), b"c")
+        out["stranger"] = await post_result(api, worker, _publication(worker, 1, b"d"), b"d")
+        out["size_lie"] = await post_result(api, v1, _publication(v1, 1, b"e"), b"ee")
+        d0 = pub0.result_digest
+        out["stale_share"] = await api.post_json(base + "/check",
+                                                 sign(v1, _share(v1, [d0, "3" * 64, None]))
+                                                 .to_wire())
+        forged = _share(v1, [d0, None, None])
+        forged = ShardCheckShare(**{**forged.to_body(), "validator": v2.public_key.hex()})
+        out["forged"] = await api.post_json(base + "/check", sign(v2, forged).to_wire())
+        out["early_finding"] = await api.post_json(base + "/findings",
+                                                   sign(v1, _finding(v1, v0, 0, d0)).to_wire())
+        out["fixing"] = await api.post_json(base + "/check",
+                                            sign(v1, _share(v1, [d0, None, None])).to_wire())
+        out["late"] = await post_result(api, v1, _publication(v1, 1, b"f"), b"f")
+        out["other_list"] = await api.post_json(base + "/check",
+                                                sign(v2, _share(v2, [None, None, None]))
+                                                .to_wire())
+        out["seed"] = await api.post_json(base + "/check",
+                                          sign(v2, _share(v2, [d0, None, None])).to_wire())
+        for v in (v1, v2):
+            out[f"finding{v is v2:d}"] = await api.post_json(
+                base + "/findings", sign(v, _finding(v, v0, 0, d0)).to_wire())
+        out["self_finding"] = await api.post_json(
+            base + "/findings", sign(v0, _finding(v0, v0, 0, d0)).to_wire())
+        out["view"] = (await api.get(base))[1]
+        async with LedgerClient(api.url) as client:
+            key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
+            out["audit"] = verify_events(await fetch_events(client, RUN), key)
+            out["full"] = verify_events(await fetch_events(client, RUN), key, full=True)
+        return out
+
+    out = run_api(tmp_path, scenario, db_url=ledger_url)
+    code = {k: v[0] for k, v in out.items() if isinstance(v, tuple)}
+    reason = {k: v[1].get("reason") for k, v in out.items() if isinstance(v, tuple)}
+    assert (code["early"], reason["early"]) == (409, "wrong_state")
+    assert code["first"] == 201 and not out["first"][1]["already"]
+    assert code["again"] == 201 and out["again"][1]["already"]
+    assert (code["other_digest"], reason["other_digest"]) == (409, "duplicate")
+    assert (code["wrong_shard"], reason["wrong_shard"]) == (403, "wrong_shard")
+    assert code["stranger"] == 403
+    assert code["size_lie"] == 400
+    assert (code["stale_share"], reason["stale_share"]) == (409, "shard_list_fixed")
+    assert (code["forged"], reason["forged"]) == (401, "bad_signature")
+    assert code["early_finding"] == 409
+    assert out["fixing"][1]["check"] is None and out["fixing"][1]["results"][0] is not None
+    assert (code["late"], reason["late"]) == (409, "shard_list_fixed")
+    assert (code["other_list"], reason["other_list"]) == (409, "shard_list_fixed")
+    check = out["seed"][1]["check"]
+    shares = [s["body"]["share"] for s in out["view"]["check_shares"]]
+    assert check["signers"] == [1, 2]
+    assert check["seed"] == compute_beacon_seed([bytes.fromhex(s) for s in shares]).hex()
+    assert code["finding0"] == code["finding1"] == 201
+    assert out["finding1"][1]["faulty_reports"] == 2
+    assert code["self_finding"] == 403
+    view = out["view"]
+    assert view["faulty_shards"] == [0] and len(view["results"]) == 1
+    assert view["list"] == [out["view"]["results"][0]["body"]["result_digest"], None, None]
+    assert out["audit"].ok, out["audit"].problem
+    assert out["full"].ok, out["full"].problem
