@@ -672,6 +672,10 @@ class _Round:
     results: list[_Result] = field(default_factory=list)
     shard_results: list[str | None] | None = None  # result digests by shard, once published
     shard_list: list[str | None] | None = None
+    shard_shares: dict[int, str] = field(default_factory=dict)  # validator -> BLS share
+    shard_seed: str | None = None
+    shard_findings: dict[tuple[int, int], bool] = field(default_factory=dict)  # -> faulty
+    shard_faults: set[int] = field(default_factory=set)
     bans: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     penalties: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     certified: _Result | None = None
@@ -851,7 +855,8 @@ class _Pass:
         if self.full:
             self.jobs.append((i, "share", {"bls": self._need_spec().validators[idx]["bls"]}))
 
-    def _sharded_round(self, signer: str, named: str, r: int) -> tuple[int, _Round]:
+    def _sharded_round(self, signer: str, named: str, r: int, *, open_only: bool = True
+                       ) -> tuple[int, _Round]:
         spec = self._need_spec()
         idx = self._validator_index(signer, named)
         rnd = self._round_of(r)
@@ -859,6 +864,8 @@ class _Pass:
             raise Bad("shard message in a run that does not shard")
         if rnd.beacon_seed is None:
             raise Bad("shard message before the round's beacon was fixed")
+        if open_only and rnd.certified is not None:
+            raise Bad("shard result or check share after the round was finalized")
         if rnd.shard_results is None:
             rnd.shard_results = [None] * spec.shards
         return idx, rnd
@@ -875,20 +882,29 @@ class _Pass:
         share: ShardCheckShare = signed.message
         idx, rnd = self._sharded_round(signed.signer, share.validator, share.round)
         if share.results != (rnd.shard_list if rnd.shard_list is not None
-                             else rnd.shard_results):
-            raise Bad("check share over another list than the published shard results")
+                             else rnd.shard_results) or idx in rnd.shard_shares:
+            raise Bad("check share over another list than the published results, or repeated")
         if self.full and not bls.verify(
                 bytes.fromhex(self._need_spec().validators[idx]["bls"]),
                 shard_check_root(share.run_id, share.round, share.results),
                 bytes.fromhex(share.share)):
             raise Bad("shard check share does not verify")
+        rnd.shard_shares[idx] = share.share
 
     def _shard_finding(self, i: int, row: ChainRow, signed: Any) -> None:
         found: ShardFindingReport = signed.message
-        idx, rnd = self._sharded_round(signed.signer, found.validator, found.round)
-        if rnd.shard_list is None or found.shard == idx or not 0 <= found.shard < len(
-                rnd.shard_list) or found.published_digest != rnd.shard_list[found.shard]:
-            raise Bad("finding about a shard result that is not in the fixed list")
+        idx, rnd = self._sharded_round(signed.signer, found.validator, found.round,
+                                       open_only=False)
+        spec = self._need_spec()
+        if rnd.shard_seed is None or rnd.shard_list is None:
+            raise Bad("finding before the round's check seed was fixed")
+        if (found.shard == idx or not 0 <= found.shard < len(rnd.shard_list)
+                or found.published_digest != rnd.shard_list[found.shard]
+                or found.publisher != spec.validators[found.shard]["ed25519"]):
+            raise Bad("finding about a shard result that is not another validator's listed one")
+        if (idx, found.shard) in rnd.shard_findings:
+            raise Bad("a second finding of one validator on one shard")
+        rnd.shard_findings[(idx, found.shard)] = found.faulty
 
     def _rec_shard_list_fixed(self, i: int, body: dict[str, Any]) -> None:
         rnd = self._round_of(body["round"])
@@ -903,9 +919,24 @@ class _Pass:
         if len(set(signers)) != len(signers) or len(signers) < spec.quorum or signers != sorted(
                 signers) or any(not 0 <= k < len(spec.validators) for k in signers):
             raise Bad("shard check signers are not a quorum of the validator set")
+        if rnd.shard_seed is not None or [rnd.shard_shares.get(k) for k in signers] != body[
+                "shares"]:
+            raise Bad("shard check seed fixed twice, or from shares that were not recorded")
         if body["results"] != rnd.shard_list or body["seed"] != compute_beacon_seed(
                 [bytes.fromhex(x) for x in body["shares"]]).hex():
             raise Bad("shard check seed does not follow from its list and shares")
+        rnd.shard_seed = body["seed"]
+
+    def _rec_shard_fault(self, i: int, body: dict[str, Any]) -> None:
+        spec = self._need_spec()
+        rnd = self._round_of(body["round"])
+        shard = body["shard"]
+        reporters = sorted(k for (k, sh), faulty in rnd.shard_findings.items()
+                           if sh == shard and faulty)
+        if shard in rnd.shard_faults or body["reporters"] != reporters or len(
+                reporters) < spec.quorum:
+            raise Bad("shard fault without a quorum of recorded faulty findings")
+        rnd.shard_faults.add(shard)
 
     def _round_result(self, i: int, row: ChainRow, signed: Any, facts: ResultFacts) -> None:
         res: RoundResult | ResultView = signed.message

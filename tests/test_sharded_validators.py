@@ -230,3 +230,40 @@ def test_three_validators_catch_a_shifted_shard_and_certify_the_honest_model(tmp
     assert late[0] == 409 and late[1]["reason"] == "round_finalized"
     assert stranger[0] == 403
     assert audit.ok, audit.problem
+
+
+@pytest.mark.parametrize("misplaced", ["other_shard_number", "copy_of_another_shard"])
+def test_a_result_for_another_shard_is_malformed_not_a_crash(rows, misplaced):
+    """The file's own shard number and bounds are never taken on trust."""
+    tau = 8.0
+    results = _all_shards(rows, tau)
+    if misplaced == "other_shard_number":
+        bad = dataclasses.replace(results[2], shard=99)
+    else:
+        bad = results[1]  # valid, but for shard 1
+    settled = settle_shards(_filtered(rows, tau), results[0], {1: results[1], 2: bad},
+                            num_shards=V, me=0, check_seed=b"s" * 32)
+    assert [(d.shard, d.faulty) for d in settled.disputes] == [(2, True)]
+    assert settled.disputes[0].reason.startswith("malformed")
+    assert torch.equal(settled.aggregate, assemble_shards(results, rows.shape[1]))
+
+
+def test_honest_validators_settle_a_sparse_corruption_alike():
+    """One corrupted block of 625, sampled partly: each validator reads every checker's
+    sample, so both honest validators take the same decision under every seed."""
+    g = torch.Generator().manual_seed(9)
+    xs = torch.randn(5, 30_000, generator=g)
+    tau = 200.0
+    results = _all_shards(xs, tau)
+    agg = results[2].aggregate.clone()
+    agg[4000:4016] += 1.0
+    bad = dataclasses.replace(results[2], aggregate=agg)
+    decisions = []
+    for seed in range(12):
+        check_seed = bytes([seed]) * 32
+        views = [settle_shards(_filtered(xs, tau), results[me],
+                               {k: (bad if k == 2 else results[k]) for k in range(V) if k != me},
+                               num_shards=V, me=me, check_seed=check_seed) for me in (0, 1)]
+        assert torch.equal(views[0].aggregate, views[1].aggregate), seed
+        decisions.append(bool(views[0].disputes))
+    assert any(decisions), "the corruption should be caught under some seeds"

@@ -250,9 +250,12 @@ class ValidatorNode:
             log.warning("round %d: shard %d was late, the others recompute it", r, me)
         view = await self._shard_list(client, spec, path)
         check = view["check"]
-        while check is None:
+        while check is None:  # a quorum of validators must sign; the round waits for it too
             await asyncio.sleep(self.config.poll_seconds)
             check = (await client.get_json(path))["check"]
+            if check is None and (await client.get_json(
+                    f"/v1/runs/{spec.run_id}/rounds/{r}"))["status"] == "finalized":
+                raise LedgerRefused(409, "round_finalized", "finalized before the check seed")
         listed = check["results"]
         pubs = {}
         for wire in view["results"]:
@@ -305,6 +308,7 @@ class ValidatorNode:
             except LedgerRefused as exc:
                 if exc.reason != "shard_list_fixed":
                     raise
+                await asyncio.sleep(self.config.poll_seconds)
                 view = await client.get_json(path)
 
     async def _post_findings(self, client: LedgerClient, spec: Any, r: int,

@@ -8,7 +8,8 @@ local aggregation step of a round (validators/round.py) with:
    ``encode_shard_result``;
 2. once the ledger fixed the list of published results and a quorum's BLS
    shares fixed the check seed, ``settle_shards``: check every other listed
-   result on beacon-drawn blocks, settle each failed check, missing or
+   result on the blocks every checker draws (the union, so that all honest
+   validators decide alike), settle each failed check, missing, misplaced or
    undecodable result by recomputing the shard (the exact check decides whether
    its publisher is at fault), and assemble the full aggregate.
 
@@ -38,6 +39,7 @@ from veritrain.aggregation.secure import (
     shard_bounds,
     shard_tau,
 )
+from veritrain.aggregation.secure.sharding import malformation
 from veritrain.protocol.errors import OversizedError, PayloadError
 
 from .round import FilteredRound
@@ -185,6 +187,11 @@ def settle_shards(
             continue
         tau_k = shard_radius(filtered, dim, num_shards, k)
         result = published.get(k)
+        if isinstance(result, ShardResult):
+            problem = malformation(result, xs.shape[0], k, num_shards, dim, tau_k,
+                                   scan_aggregate=False)
+            if problem is not None:
+                result = problem
         if not isinstance(result, ShardResult):
             replacement = aggregate_shard(xs, shard=k, num_shards=num_shards, tau=tau_k,
                                           publisher=me)
@@ -192,14 +199,18 @@ def settle_shards(
             disputes.append(Dispute(k, k, True, reason, None, replacement, None))
             used[k] = replacement
             continue
-        check = check_shard_result(result, xs, num_shards=num_shards, tau=tau_k,
-                                   check_seed=check_seed, checker=me)
-        checks.append(check)
+        # Every checker's sample, not only this validator's: honest validators then
+        # reach the same decision (and the union is what the soundness bound counts).
+        shard_checks = [check_shard_result(result, xs, num_shards=num_shards, tau=tau_k,
+                                           check_seed=check_seed, checker=c)
+                        for c in range(num_shards) if c != k]
+        checks.extend(shard_checks)
         used[k] = result
-        if not check.ok:
+        failed = next((c for c in shard_checks if not c.ok), None)
+        if failed is not None:
             replacement, finding = recompute_shard(result, xs, num_shards=num_shards, tau=tau_k,
-                                                   recomputed_by=me, trigger=check)
-            disputes.append(_from_finding(finding, replacement, check))
+                                                   recomputed_by=me, trigger=failed)
+            disputes.append(_from_finding(finding, replacement, failed))
             if finding.faulty:
                 used[k] = replacement
     ordered = [used[k] for k in range(num_shards)]
