@@ -48,6 +48,16 @@ from veritrain.validators.sharded import (
 V = 3
 
 
+@pytest.fixture(autouse=True)
+def _restore_determinism_flag():
+    """Three validators share this process here (in a run each is its own process); the
+    training loop's scoped deterministic flag is process-wide, so concurrent scopes can
+    leave it set: restore it for the tests that follow."""
+    before = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
 def _filtered(rows: torch.Tensor, tau: float) -> FilteredRound:
     return FilteredRound(0, {}, {}, {}, {}, [f"w{i}" for i in range(rows.shape[0])], rows,
                          {"tau": tau, "iterations": 10})
