@@ -35,15 +35,20 @@ def fix_challenges(s: Session, spec: RunSpec, rnd: t.Round, seed: bytes, now: fl
             t.Submission.run_id == rnd.run_id, t.Submission.round == rnd.round)).scalars():
         sub = open_signed(decode_canonical(envelope), Submission).message
         subs[sub.worker] = sub
-    policy = ChallengePolicy.from_spec(spec.inner, spec.verification)
+    masked = spec.masked
+    policy = ChallengePolicy.from_spec(spec.inner, spec.verification, masked=masked is not None)
     challenges = compute_challenges(seed, sorted(subs), policy)
     for worker, segments in challenges.items():
         sub = subs[worker]
+        need = needed_hashes(sub.trail, segments, sub.ef_hash,
+                             sub.payload_hash if masked is not None else None)
         s.add(t.ChallengeRow(
             run_id=rnd.run_id, round=rnd.round, worker=worker,
             segments=encode_canonical(segments).decode(),
-            needed=encode_canonical(needed_hashes(sub.trail, segments, sub.ef_hash)).decode()))
-    rnd.reveal_deadline = now + spec.verification["reveal_seconds"]
+            needed=encode_canonical(need).decode()))
+    # A masked round's four board phases come first: openings follow the masked inputs.
+    board = 4 * masked["phase_seconds"] if masked is not None else 0.0
+    rnd.reveal_deadline = now + board + spec.verification["reveal_seconds"]
     return challenges
 
 

@@ -53,6 +53,9 @@ class Incoming:
     payload_hash: str
     payload_size: int
     raw: bytes | None = None
+    #: False in a masked run: the worker keeps its payload and reveals it only when
+    #: spot-checked, so no blob row is written for it.
+    stored: bool = True
 
     def encoded(self) -> bytes:
         return self.raw if self.raw is not None else self.signed.encode()
@@ -213,7 +216,7 @@ def _accept_one(store: LedgerStore, s: Session, buf: _Buffers,
         raise Conflict("this worker already submitted for this round")
     raw = item.encoded()
     digest = hashlib.sha256(raw).hexdigest()
-    if item.payload_hash not in have_blobs:
+    if item.stored and item.payload_hash not in have_blobs:
         buf.blobs.append({"sha256": item.payload_hash, "size": item.payload_size,
                           "kind": "payload", "run_id": sub.run_id, "sealed_round": sub.round,
                           "created_at": now})

@@ -214,6 +214,32 @@ def _paths() -> dict[str, Any]:
                        [RUN, ROUND], {"201": ok(obj({"already": BOOL}), "recorded", 201)["201"],
                                       **problems(400, 401, 403, 404, 409, 413)},
                        json_body("signed ShardFindingReport"), tag="write")},
+        rnd + "/secagg": {
+            "get": op("a masked round's board: buckets, phases (opened, deadline, closed, "
+                      "expected senders) and posts", [RUN, ROUND, q(
+                          "bucket", {"type": "integer", "minimum": 0, "maximum": 10**6},
+                          "only this bucket's state and posts")],
+                      {**ok(obj({"run_id": STR, "round": INT, "now": NUM, "started_at": NUM,
+                                 "phases": arr(OBJ), "complete": BOOL, "buckets": arr(OBJ),
+                                 "posts": OBJ})), **problems(404, 409)})},
+        rnd + "/secagg/masked": {
+            "post": op("a bucket member's masked input (while the masked phase is open)",
+                       [RUN, ROUND], {"201": ok(obj({"kind": STR, "already": BOOL}), "recorded",
+                                                201)["201"],
+                                      **problems(400, 401, 403, 404, 409, 413)},
+                       multipart({"envelope": "signed SecaggMasked",
+                                  "words": "the masked words, 4 D bytes (uint32 LE)"}),
+                       tag="write")},
+        rnd + "/secagg/{kind}": {
+            "post": op("a key advert, deal, reveal (kind keys, deal, reveal: while that phase "
+                       "is open) or a spot-checked worker's opening", [RUN, ROUND, {
+                           "name": "kind", "in": "path", "required": True,
+                           "schema": {"type": "string",
+                                      "enum": ["keys", "deal", "reveal", "opening"]}}],
+                       {"201": ok(obj({"kind": STR, "already": BOOL}), "recorded", 201)["201"],
+                        **problems(400, 401, 403, 404, 409, 413)},
+                       json_body("signed SecaggKeys, SecaggDeal, SecaggReveal or SecaggOpening"),
+                       tag="write")},
         rnd + "/challenges": {"get": op(
             "the round's spot-check challenges and which reveals arrived", [RUN, ROUND],
             {**ok(obj({"run_id": STR, "round": INT, "fixed": BOOL,

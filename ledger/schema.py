@@ -256,3 +256,26 @@ class ShardMessage(Base):
     digest: Mapped[str] = mapped_column(String(64))
     body: Mapped[bytes] = mapped_column(LargeBinary)
     received_at: Mapped[float] = mapped_column(Float)
+
+
+class SecaggMessage(Base):
+    """A masked round's bulletin board (specs/secure-averaging.md E.2).
+
+    ``kind`` is a phase's post (``keys``, ``deal``, ``masked``, ``reveal``: one per
+    sender), a spot-checked worker's ``opening``, or the ledger's own ``start``
+    row (``sender`` empty), written when the beacon fixes the buckets. ``body``
+    is the canonical signed envelope, or for ``start`` the canonical JSON of the
+    buckets; ``received_at`` is what the phase schedule is computed from.
+    """
+
+    __tablename__ = "secagg_messages"
+    __table_args__ = (UniqueConstraint("run_id", "round", "kind", "sender"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64))
+    round: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))
+    sender: Mapped[str] = mapped_column(String(64))
+    bucket: Mapped[int] = mapped_column(Integer)
+    digest: Mapped[str] = mapped_column(String(64))
+    body: Mapped[bytes] = mapped_column(LargeBinary)
+    received_at: Mapped[float] = mapped_column(Float)

@@ -30,6 +30,11 @@ from veritrain.protocol.messages import (
     Registration,
     RoundResult,
     RunSpec,
+    SecaggDeal,
+    SecaggKeys,
+    SecaggMasked,
+    SecaggOpening,
+    SecaggReveal,
     ShardCheckShare,
     ShardFindingReport,
     ShardPublication,
@@ -38,6 +43,7 @@ from veritrain.protocol.messages import (
     max_shard_file_bytes,
     open_signed,
 )
+from veritrain.protocol.secagg import words_file_bytes
 
 from . import queries
 from .blobs import BlobStore
@@ -76,6 +82,11 @@ STATUS_BY_REASON = {
     "round_finalized": 409,
     "not_sharded": 409,
     "wrong_shard": 403,
+    "not_masked": 409,
+    "phase_closed": 409,
+    "not_expected": 403,
+    "wrong_bucket": 403,
+    "not_challenged": 403,
 }
 
 
@@ -283,7 +294,8 @@ async def get_round(request: web.Request) -> web.Response:
 
 @routes.post("/v1/runs/{run_id}/rounds/{round}/submissions")
 async def submit(request: web.Request) -> web.Response:
-    """Multipart: ``envelope`` (signed Submission), then ``payload`` (raw bytes).
+    """Multipart: ``envelope`` (signed Submission), then ``payload`` (raw bytes; none in a
+    masked run, where the worker reveals it only if spot-checked).
 
     201 with the ledger's signed receipt; 200 with the same receipt when this exact
     envelope is already recorded (the payload is then not read); 409 ``duplicate``
@@ -301,9 +313,15 @@ async def submit(request: web.Request) -> web.Response:
         return web.json_response(done.to_wire())
     try:
         await ledger.write(ledger.store.precheck_submission, signed)
-        digest, size = await part_to_blob(request, reader, "payload", sub.payload_bytes,
-                                          sub.payload_hash)
-        receipt = await ledger.batcher.accept(Incoming(signed, digest, size, raw=env_raw))
+        spec = await ledger.read(lambda s: ledger.store.get_spec(s, sub.run_id))
+        if spec.masked is not None:  # the payload stays with the worker (spec E.2)
+            incoming = Incoming(signed, sub.payload_hash, sub.payload_bytes, raw=env_raw,
+                                stored=False)
+        else:
+            digest, size = await part_to_blob(request, reader, "payload", sub.payload_bytes,
+                                              sub.payload_hash)
+            incoming = Incoming(signed, digest, size, raw=env_raw)
+        receipt = await ledger.batcher.accept(incoming)
     except RejectedInput:
         # A twin of this envelope sent concurrently may have been recorded since the check
         # above (as a duplicate, or closing the round): it still gets that receipt, 200.
@@ -428,6 +446,56 @@ async def get_round_shards(request: web.Request) -> web.Response:
     ledger = request.app[LEDGER]
     return web.json_response(await ledger.read(
         ledger.store.round_shards, request.match_info["run_id"], path_round(request)))
+
+
+SECAGG_KINDS = {"keys": SecaggKeys, "deal": SecaggDeal, "reveal": SecaggReveal,
+                "opening": SecaggOpening}
+
+
+@routes.post("/v1/runs/{run_id}/rounds/{round}/secagg/masked")
+async def post_secagg_masked(request: web.Request) -> web.Response:
+    """Multipart: ``envelope`` (signed SecaggMasked) then ``words`` (4 D bytes, uint32 LE)."""
+    ledger = request.app[LEDGER]
+    reader = await request.multipart()
+    raw = await part_bytes(request, reader, "envelope", MAX_MESSAGE_BYTES)
+    signed = open_signed(decode_canonical(raw), SecaggMasked)
+    _shard_message(request, signed)
+    msg = signed.message
+    spec = await ledger.read(lambda s: ledger.store.get_spec(s, msg.run_id))
+    limit = words_file_bytes(spec.num_params)
+    if spec.masked is None or msg.words_bytes != limit:
+        raise RejectedInput(f"a masked input of this run is {limit} bytes", "malformed")
+    digest, size = await part_to_blob(request, reader, "words", limit, msg.words_hash)
+    if size != limit:
+        raise RejectedInput(f"words file is {size} bytes, not {limit}", "malformed")
+    await ledger.write(ledger.store.record_blob, digest, size, "masked", msg.run_id)
+    return web.json_response(await ledger.write(ledger.store.post_secagg, "masked", signed),
+                             status=201)
+
+
+@routes.post("/v1/runs/{run_id}/rounds/{round}/secagg/{kind}")
+async def post_secagg(request: web.Request) -> web.Response:
+    """A key advert, deal, reveal or opening on a masked round's board."""
+    ledger = request.app[LEDGER]
+    kind = request.match_info["kind"]
+    if kind not in SECAGG_KINDS:
+        raise RejectedInput(f"no board post kind {kind!r}", "not_found")
+    signed = open_signed(await read_message(request), SECAGG_KINDS[kind])
+    _shard_message(request, signed)
+    return web.json_response(await ledger.write(ledger.store.post_secagg, kind, signed),
+                             status=201)
+
+
+@routes.get("/v1/runs/{run_id}/rounds/{round}/secagg")
+async def get_round_secagg(request: web.Request) -> web.Response:
+    """A masked round's buckets, phases and posts (``?bucket=k``: of one bucket)."""
+    ledger = request.app[LEDGER]
+    bucket = request.query.get("bucket")
+    if bucket is not None and not bucket.isdigit():
+        raise EncodingError("bucket is a non-negative integer")
+    return web.json_response(await ledger.read(
+        ledger.store.round_secagg, request.match_info["run_id"], path_round(request),
+        None if bucket is None else int(bucket)))
 
 
 @routes.get("/v1/runs/{run_id}/rounds/{round}/challenges")

@@ -40,7 +40,7 @@ from veritrain.protocol.messages import (
 from veritrain.protocol.rules import SubmissionContext, check_submission
 from veritrain.protocol.schedule import Action, RoundStatus, RoundView, next_action
 
-from . import migrate, shards
+from . import migrate, secagg, shards
 from . import schema as t
 from .chain import GENESIS_HASH, compute_event_hash
 from .challenges import check_reveal_wanted, fix_challenges, needed_by
@@ -141,7 +141,7 @@ class LedgerStore:
             raise RejectedInput("run spec not signed by its organiser", "bad_signature")
         if spec.quorum > len(spec.validators) or not spec.validators:
             raise RejectedInput("quorum larger than the validator set", "malformed")
-        if (problem := spec.sharding_problem()) is not None:
+        if (problem := spec.sharding_problem() or spec.masking_problem()) is not None:
             raise RejectedInput(problem, "malformed")
         keys = [v["ed25519"] for v in spec.validators]
         if len(set(keys)) != len(keys) or len({v["bls"] for v in spec.validators}) != len(keys):
@@ -421,6 +421,14 @@ class LedgerStore:
             self._ledger_event(s, msg.run_id, "challenges_fixed", {
                 "run_id": msg.run_id, "round": msg.round, "reveal_deadline": rnd.reveal_deadline,
                 "challenges": fixed})
+            if spec.masked is not None:
+                workers = sorted(s.execute(select(t.Submission.worker).where(
+                    t.Submission.run_id == msg.run_id, t.Submission.round == msg.round)).scalars())
+                started = secagg.start_round(s, spec, msg.round,
+                                             bytes.fromhex(beacon_seed_of(rnd.beacon)), workers,
+                                             self.clock())
+                self._ledger_event(s, msg.run_id, "secagg_started",
+                                   {"run_id": msg.run_id, **started})
             return {"beacon": beacon}
 
     # ----------------------------------------------------------------- sharded rounds
@@ -452,6 +460,29 @@ class LedgerStore:
     def post_shard_finding(self, signed: Signed[ShardFindingReport]) -> dict[str, Any]:
         """A settled dispute over another validator's shard."""
         return self._shard_post(signed, "shard finding", shards.accept_finding, "shard_finding")
+
+    # ----------------------------------------------------------------- masked rounds
+
+    def post_secagg(self, kind: str, signed: Signed[Any]) -> dict[str, Any]:
+        """A worker's post to a masked round's board (keys, deal, masked, reveal, opening)."""
+        msg = signed.message
+        with self.sessions.begin() as s:
+            spec = self.get_spec(s, msg.run_id)
+            rnd = self._round(s, msg.run_id, msg.round)
+            opened = set(s.execute(select(t.ChallengeRow.worker).where(
+                t.ChallengeRow.run_id == msg.run_id, t.ChallengeRow.round == msg.round)
+            ).scalars()) if kind == "opening" else None
+            reply, new = secagg.accept_post(s, spec, rnd, kind, signed, self.clock(),
+                                            opened=opened)
+            if new:
+                self._append(s, msg.run_id, msg.KIND, signed.encode())
+            return reply
+
+    def round_secagg(self, s: Session, run_id: str, r: int,
+                     bucket: int | None = None) -> dict[str, Any]:
+        spec = self.get_spec(s, run_id)
+        self._round(s, run_id, r)
+        return secagg.Board(s, spec, r, self.clock()).view(bucket)
 
     def round_shards(self, s: Session, run_id: str, r: int) -> dict[str, Any]:
         spec = self.get_spec(s, run_id)

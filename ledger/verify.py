@@ -61,6 +61,11 @@ from veritrain.protocol.messages import (
     Registration,
     RoundResult,
     RunSpec,
+    SecaggDeal,
+    SecaggKeys,
+    SecaggMasked,
+    SecaggOpening,
+    SecaggReveal,
     ShardCheckShare,
     ShardFindingReport,
     ShardPublication,
@@ -76,7 +81,14 @@ from .chain import GENESIS_HASH, ChainRow, is_valid_checkpoint
 #: Signed kinds opened (signature verified) in every mode: a few rows per round.
 ALWAYS_OPENED = {"run_spec": RunSpec, "beacon_share": BeaconShare,
                  "round_result": RoundResult, "shard_result": ShardPublication,
-                 "shard_check_share": ShardCheckShare, "shard_finding": ShardFindingReport}
+                 "shard_check_share": ShardCheckShare, "shard_finding": ShardFindingReport,
+                 "secagg_keys": SecaggKeys, "secagg_deal": SecaggDeal,
+                 "secagg_masked_input": SecaggMasked, "secagg_reveal": SecaggReveal,
+                 "secagg_opening": SecaggOpening}
+#: A masked round's board posts: chain kind -> (board kind, the field naming the sender).
+SECAGG_POSTS = {"secagg_keys": ("keys", "worker"), "secagg_deal": ("deal", "dealer"),
+                "secagg_masked_input": ("masked", "worker"), "secagg_reveal": ("reveal", "holder"),
+                "secagg_opening": ("opening", "worker")}
 #: Fields of a verdict row served by the API that must equal the certified result.
 VIEW_FIELDS = ("status", "reason", "detail", "spot_checked", "distance", "samples", "quality",
                "score", "reward")
@@ -676,6 +688,8 @@ class _Round:
     shard_seed: str | None = None
     shard_findings: dict[tuple[int, int], bool] = field(default_factory=dict)  # -> faulty
     shard_faults: set[int] = field(default_factory=set)
+    secagg_bucket_of: dict[str, int] | None = None  # worker -> bucket, once dealt
+    secagg_posts: set[tuple[str, str]] = field(default_factory=set)  # (board kind, sender)
     bans: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     penalties: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     certified: _Result | None = None
@@ -806,6 +820,8 @@ class _Pass:
                 res = signed.message
                 self._round_result(i, row, signed, ResultFacts.of(
                     res.round, res.verdicts, res.scores, render=False))
+            elif kind in SECAGG_POSTS:
+                self._secagg_post(kind, signed)
             else:
                 getattr(self, "_" + kind)(i, row, signed)
             return
@@ -937,6 +953,34 @@ class _Pass:
                 reporters) < spec.quorum:
             raise Bad("shard fault without a quorum of recorded faulty findings")
         rnd.shard_faults.add(shard)
+
+    def _rec_secagg_started(self, i: int, body: dict[str, Any]) -> None:
+        spec = self._need_spec()
+        rnd = self._round_of(body["round"])
+        if spec.masked is None or rnd.beacon_seed is None or rnd.secagg_bucket_of is not None:
+            raise Bad("buckets dealt in an unmasked run, before the beacon, or twice")
+        buckets = body["buckets"]
+        members = [w for b in buckets for w in b]
+        if (len(set(members)) != len(members) or len(members) > len(rnd.closed or ())
+                or any(len(b) < 2 or b != sorted(b) for b in buckets)):
+            raise Bad("buckets overlap, hold more workers than the sealed list, or are short")
+        rnd.secagg_bucket_of = {w: b for b, ws in enumerate(buckets) for w in ws}
+
+    def _secagg_post(self, kind: str, signed: Any) -> None:
+        board_kind, field_name = SECAGG_POSTS[kind]
+        msg = signed.message
+        sender = getattr(msg, field_name)
+        rnd = self._round_of(msg.round)
+        if signed.signer != sender or rnd.secagg_bucket_of is None or (
+                rnd.secagg_bucket_of.get(sender) != msg.bucket):
+            raise Bad("board post not signed by its sender, before the buckets, or from "
+                      "outside the bucket it names")
+        if (board_kind, sender) in rnd.secagg_posts or (
+                board_kind == "opening" and ("masked", sender) not in rnd.secagg_posts):
+            raise Bad("a second board post of one kind, or an opening without a masked input")
+        if rnd.certified is not None:
+            raise Bad("board post after the round was finalized")
+        rnd.secagg_posts.add((board_kind, sender))
 
     def _round_result(self, i: int, row: ChainRow, signed: Any, facts: ResultFacts) -> None:
         res: RoundResult | ResultView = signed.message

@@ -43,14 +43,19 @@ class ChallengePolicy:
     per_worker: float  # c
     full_checks: int
     always_last: bool
+    #: Masked runs: only the ``full_checks`` workers reveal anything (any revealed
+    #: training state would expose most of a worker's update), and they reveal all.
+    opened_only: bool = False
 
     @classmethod
-    def from_spec(cls, inner: dict, verification: dict) -> ChallengePolicy:
+    def from_spec(cls, inner: dict, verification: dict, *, masked: bool = False
+                  ) -> ChallengePolicy:
         return cls(
             segments=inner["steps"] // inner["trail_every"],
             per_worker=float(verification["challenges_per_worker"]),
             full_checks=int(verification["spot_checks_per_round"]),
             always_last=bool(verification["always_last"]),
+            opened_only=masked,
         )
 
     def expected_cost(self, n_workers: int) -> float:
@@ -77,6 +82,8 @@ def compute_challenges(seed: bytes, workers: Sequence[str], policy: ChallengePol
         if worker in full:
             out[worker] = list(range(s))
             continue
+        if policy.opened_only:
+            continue
         count = math.floor(policy.per_worker)
         if _uniform(seed, b"extra", worker) < policy.per_worker - count:
             count += 1
@@ -91,10 +98,12 @@ def compute_challenges(seed: bytes, workers: Sequence[str], policy: ChallengePol
     return out
 
 
-def needed_hashes(trail: Sequence[str], segments: Iterable[int], ef_hash: str) -> list[str]:
+def needed_hashes(trail: Sequence[str], segments: Iterable[int], ef_hash: str,
+                  payload_hash: str | None = None) -> list[str]:
     """Blobs a worker must reveal: each challenged segment's start (but the base, which
-    validators rebuild) and end state, and its error-feedback residual for the last one."""
-    need: list[str] = []
+    validators rebuild) and end state, and its error-feedback residual for the last one;
+    in a masked run also its payload, which the ledger never stored."""
+    need: list[str] = [payload_hash] if payload_hash is not None else []
     last = len(trail) - 1
     for j in segments:
         if j > 0:

@@ -174,9 +174,18 @@ VERIFICATION = f.record(
     # Added with the probe filter: specs signed before it have no probe (both 0).
     absent_ok=frozenset({"probe_examples", "probe_factor"}),
 )
+#: Largest bucket a run may ask for (buckets hold ``bucket_size`` to ``2 bucket_size - 1``).
+MAX_BUCKET_SIZE = 64
+MASKED = f.record({
+    "bucket_size": f.integer(2, MAX_BUCKET_SIZE),
+    "max_dropouts": f.integer(0, MAX_BUCKET_SIZE),
+    "clip_norm": f.number(1e-6, 1e6),
+    "phase_seconds": f.number(0.1, 3600.0),
+})
 AGGREGATOR = f.record(
-    {"name": f.string(200), "params": f.free_params(), "shards": f.integer(2, 256)},
-    absent_ok=frozenset({"shards"}),
+    {"name": f.string(200), "params": f.free_params(), "shards": f.integer(2, 256),
+     "masked": MASKED},
+    absent_ok=frozenset({"shards", "masked"}),
 )
 LIMITS = f.record({"max_payload_bytes": f.integer(1, 1 << 34)})
 REWARDS = f.record({"per_round": f.number(0.0, 1e18)})
@@ -265,6 +274,34 @@ class RunSpec(Message):
             return "sharded aggregation needs a clipping radius (tau or tau_rel)"
         if self.shards > self.num_params:
             return "more shards than parameters"
+        return None
+
+    @property
+    def masked(self) -> dict[str, Any] | None:
+        """Masked buckets (``aggregator.masked``: bucket_size, max_dropouts, clip_norm,
+        phase_seconds), or None when workers send their updates in the clear."""
+        return self.aggregator.get("masked")
+
+    def masking_problem(self) -> str | None:
+        """Why ``aggregator.masked`` cannot run, or None (specs/secure-averaging.md E.2):
+        validators see bucket sums only, so the aggregate is CenteredClip over bucket
+        means and no per-update filter can run."""
+        m = self.masked
+        if m is None:
+            return None
+        if self.aggregator["name"] != "centered_clip":
+            return "masked buckets need the centered_clip aggregator"
+        if self.shards:
+            return "masked buckets do not combine with sharded aggregation yet"
+        if self.aggregator["params"].get("bucket_size", 1) != 1:
+            return "masked buckets replace the aggregator's bucket_size: leave it out"
+        if "tau" not in self.aggregator["params"] and "tau_rel" not in self.aggregator["params"]:
+            return "masked buckets need a clipping radius (tau or tau_rel)"
+        if 2 * m["max_dropouts"] >= m["bucket_size"]:
+            return (f"max_dropouts {m['max_dropouts']} needs buckets of more than "
+                    f"{2 * m['max_dropouts']} (the threshold s - t must exceed s / 2)")
+        if self.probe[0] > 0:
+            return "masked buckets hide single updates: the probe filter cannot run (set 0)"
         return None
 
     def validator_index(self, ed25519_hex: str) -> int | None:
@@ -583,3 +620,142 @@ class ShardFindingReport(Message):
 def digest_of(value: Any) -> str:
     """sha256 (hex) of a value's canonical encoding (verdict and score lists)."""
     return hashlib.sha256(encode_canonical(value)).hexdigest()
+
+
+# --------------------------------------------------------------------------- masked buckets
+
+#: ChaCha20-Poly1305 sealing of a seed share, its salt, a key share and its salt.
+SEALED_SHARES_BYTES = 2 * (33 + 32) + 16
+SHARE_ITEM = f.record({"dealer": f.PUBKEY, "share": f.hex_bytes(33), "salt": f.HASH})
+SEALED_ITEM = f.record({"holder": f.PUBKEY, "ciphertext": f.hex_bytes(SEALED_SHARES_BYTES)})
+MAX_BUCKET_MEMBERS = 2 * MAX_BUCKET_SIZE
+
+
+@dataclass(frozen=True)
+class SecaggKeys(Message):
+    """A bucket member's fresh X25519 keys for the round (spec B.5 KeyAdvertisement)."""
+
+    KIND: ClassVar[str] = "secagg_keys"
+    run_id: str
+    round: int
+    bucket: int
+    worker: str
+    enc_public: str
+    mask_public: str
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, MAX_ROUND),
+        "bucket": f.integer(0, MAX_WORKERS_PER_ROUND),
+        "worker": f.PUBKEY,
+        "enc_public": f.PUBKEY,
+        "mask_public": f.PUBKEY,
+    }
+
+
+@dataclass(frozen=True)
+class SecaggDeal(Message):
+    """A dealer's share commitments (public) and its shares sealed to each holder.
+
+    The ciphertexts are public too: each opens only with the holder's X25519
+    key, and the commitments let anyone check a revealed share later.
+    """
+
+    KIND: ClassVar[str] = "secagg_deal"
+    run_id: str
+    round: int
+    bucket: int
+    dealer: str
+    seed_commitment: str
+    seed_share_commitments: list[str]
+    key_share_commitments: list[str]
+    sealed: list[dict[str, str]]
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, MAX_ROUND),
+        "bucket": f.integer(0, MAX_WORKERS_PER_ROUND),
+        "dealer": f.PUBKEY,
+        "seed_commitment": f.HASH,
+        "seed_share_commitments": f.list_of(f.HASH, MAX_BUCKET_MEMBERS),
+        "key_share_commitments": f.list_of(f.HASH, MAX_BUCKET_MEMBERS),
+        "sealed": f.list_of(SEALED_ITEM, MAX_BUCKET_MEMBERS),
+    }
+
+
+@dataclass(frozen=True)
+class SecaggMasked(Message):
+    """A dealer's masked input: the digest of ``MaskedInput`` and the words file's hash.
+
+    ``commitment`` binds the quantized update q (opened by a spot check);
+    ``words_hash`` is the sha256 of the uint32 little-endian file of 4 D bytes.
+    """
+
+    KIND: ClassVar[str] = "secagg_masked_input"
+    run_id: str
+    round: int
+    bucket: int
+    worker: str
+    commitment: str
+    input_digest: str
+    words_hash: str
+    words_bytes: int
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, MAX_ROUND),
+        "bucket": f.integer(0, MAX_WORKERS_PER_ROUND),
+        "worker": f.PUBKEY,
+        "commitment": f.HASH,
+        "input_digest": f.HASH,
+        "words_hash": f.HASH,
+        "words_bytes": f.integer(4, 1 << 40),
+    }
+
+
+@dataclass(frozen=True)
+class SecaggReveal(Message):
+    """A holder's shares for its bucket once the survivors are fixed: seed shares of the
+    survivors, key shares of the dealers that dropped out, never both for one dealer."""
+
+    KIND: ClassVar[str] = "secagg_reveal"
+    run_id: str
+    round: int
+    bucket: int
+    holder: str
+    survivors: list[str]
+    seed_shares: list[dict[str, str]]
+    key_shares: list[dict[str, str]]
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, MAX_ROUND),
+        "bucket": f.integer(0, MAX_WORKERS_PER_ROUND),
+        "holder": f.PUBKEY,
+        "survivors": f.list_of(f.PUBKEY, MAX_BUCKET_MEMBERS),
+        "seed_shares": f.list_of(SHARE_ITEM, MAX_BUCKET_MEMBERS),
+        "key_shares": f.list_of(SHARE_ITEM, MAX_BUCKET_MEMBERS),
+    }
+
+
+@dataclass(frozen=True)
+class SecaggOpening(Message):
+    """A spot-checked worker's mask secrets, so validators can re-mask the quantized
+    update they recompute from its revealed payload and compare with its masked input."""
+
+    KIND: ClassVar[str] = "secagg_opening"
+    run_id: str
+    round: int
+    bucket: int
+    worker: str
+    self_seed: str
+    mask_private: str
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, MAX_ROUND),
+        "bucket": f.integer(0, MAX_WORKERS_PER_ROUND),
+        "worker": f.PUBKEY,
+        "self_seed": f.HASH,
+        "mask_private": f.HASH,
+    }

@@ -75,7 +75,7 @@ def build_run(
         quorum=quorum if quorum is not None else -(-2 * n // 3),  # ceil(2n/3)
     )
     RunSpec.from_body(spec.to_body())
-    if (problem := spec.sharding_problem()) is not None:
+    if (problem := spec.sharding_problem() or spec.masking_problem()) is not None:
         raise ValueError(problem)
     return RunBundle(sign(organiser, spec), dataset, genesis)
 

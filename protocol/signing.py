@@ -34,6 +34,11 @@ DOMAINS = (
     "shard_check",
     "shard_check_share",
     "shard_finding",
+    "secagg_keys",
+    "secagg_deal",
+    "secagg_masked_input",
+    "secagg_reveal",
+    "secagg_opening",
 )
 
 

@@ -32,13 +32,14 @@ from .client import LedgerClient, LedgerRefused
 from .codecs import ErrorFeedback
 from .follow import fetch_base, fetch_run
 from .identity import Identity
+from .masked_worker import SECAGG_ATTACKS, take_part
 from .messages import Receipt, Registration, Signed, Submission, open_signed, sign
 from .runtime import RunContext
 from .tensors import sha256_hex
 
 log = logging.getLogger("veritrain.worker")
 
-ATTACKS = ("free_rider", "sign_flip")
+ATTACKS = ("free_rider", "sign_flip") + SECAGG_ATTACKS
 
 
 @dataclass
@@ -105,7 +106,7 @@ class WorkerState:
 
 def apply_attack(attack: str | None, delta: torch.Tensor, seed: int) -> torch.Tensor:
     """The update a cheating worker sends instead of ``delta`` (evaluation only)."""
-    if attack is None:
+    if attack is None or attack in SECAGG_ATTACKS:  # those cheat on the board, not the update
         return delta
     if attack == "sign_flip":
         return -delta
@@ -239,12 +240,16 @@ class WorkerNode:
         # The evidence goes to disk before the ledger can accept the submission: a
         # crash right after acceptance must not leave the worker unable to answer
         # its challenges (an honest worker would then fail its spot check).
+        masked = spec.masked is not None
+        if masked:  # the payload stays here; a spot check asks for it like a training state
+            prepared.evidence[prepared.signed.message.payload_hash] = prepared.payload
         state.keep_evidence(r, prepared.evidence)
+        parts = [("envelope", prepared.signed.encode(), "application/json")]
+        if not masked:
+            parts.append(("payload", prepared.payload, "application/octet-stream"))
         try:
             wire = await client.post_multipart(
-                f"/v1/runs/{spec.run_id}/rounds/{r}/submissions",
-                [("envelope", prepared.signed.encode(), "application/json"),
-                 ("payload", prepared.payload, "application/octet-stream")])
+                f"/v1/runs/{spec.run_id}/rounds/{r}/submissions", parts)
         except LedgerRefused as exc:
             if exc.reason == "duplicate":
                 log.info("round %d was already submitted before a restart", r)
@@ -261,6 +266,12 @@ class WorkerNode:
         sub = prepared.signed.message
         log.info("round %d: submitted %d bytes (loss %.4f -> %.4f) in %.1fs", r, len(prepared.payload),
                  sub.loss_first, sub.loss_last, time.monotonic() - started)
+        if masked:
+            update = run.codec.decode(prepared.payload, run.numel, seed=run.codec_seed(r, self.me))
+            attack = self.config.attack if self.config.attack in SECAGG_ATTACKS else None
+            how = await take_part(client, spec, self.identity, r, update,
+                                  poll_seconds=self.config.poll_seconds, attack=attack)
+            log.info("round %d: masked bucket: %s", r, how)
         return True
 
 

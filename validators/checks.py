@@ -37,6 +37,25 @@ class Rejection:
     detail: str
 
 
+def admit_envelope(
+    candidate: Candidate,
+    run: RunContext,
+    round_index: int,
+    base_model_hash: str,
+    registered: set[str],
+    banned: set[str],
+) -> None:
+    """Every admission rule that needs no payload; raises RejectedInput."""
+    ctx = SubmissionContext(
+        spec=run.spec,
+        round=round_index,
+        base_model_hash=base_model_hash,
+        worker_registered=candidate.worker in registered,
+        worker_banned=candidate.worker in banned,
+    )
+    check_submission(candidate.signed, ctx)
+
+
 def admit(
     candidate: Candidate,
     run: RunContext,
@@ -46,14 +65,7 @@ def admit(
     banned: set[str],
 ) -> torch.Tensor:
     """The decoded pseudo-gradient of an admissible submission; raises RejectedInput."""
-    ctx = SubmissionContext(
-        spec=run.spec,
-        round=round_index,
-        base_model_hash=base_model_hash,
-        worker_registered=candidate.worker in registered,
-        worker_banned=candidate.worker in banned,
-    )
-    check_submission(candidate.signed, ctx)
+    admit_envelope(candidate, run, round_index, base_model_hash, registered, banned)
     sub = candidate.signed.message
     if candidate.payload is None:
         raise RejectedInput("payload blob is missing", "missing_payload")

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from veritrain.protocol.beacon import beacon_root, beacon_seed_of, shard_check_root
 from veritrain.protocol.challenges import max_reveal_bytes
@@ -40,9 +41,11 @@ from veritrain.protocol.messages import (
     sign,
 )
 from veritrain.protocol.runtime import RunContext
+from veritrain.protocol.secagg import words_file_bytes
 from veritrain.protocol.tensors import sha256_hex
 
 from .checks import Candidate
+from .masked import filter_masked_round, words_of
 from .round import FilteredRound, RoundOutcome, aggregate_locally, filter_round, finish_round
 from .sharded import (
     Settlement,
@@ -176,6 +179,9 @@ class ValidatorNode:
             except RejectedInput as exc:
                 log.warning("ledger served an invalid submission: %s", exc)
                 continue
+            if spec.masked is not None:  # no payload on the ledger; opened ones are revealed
+                candidates.append(Candidate(signed, None))
+                continue
             payload: bytes | None
             try:
                 payload = await client.get_blob(
@@ -186,10 +192,14 @@ class ValidatorNode:
                 log.warning("payload of %s unavailable: %s", signed.message.worker[:12], exc)
                 payload = None
             candidates.append(Candidate(signed, payload))
-        evidence = await self.gather_evidence(client, spec.run_id, r, run.numel)
-        filtered = await asyncio.to_thread(
-            filter_round, run, r, info["base_model_hash"], base_flat, candidates,
-            registered, banned, seed, evidence=evidence, device=self.config.device)
+        if spec.masked is not None:
+            filtered = await self.masked_filter(client, run, info, base_flat, candidates,
+                                                registered, banned, seed)
+        else:
+            evidence = await self.gather_evidence(client, spec.run_id, r, run.numel)
+            filtered = await asyncio.to_thread(
+                filter_round, run, r, info["base_model_hash"], base_flat, candidates,
+                registered, banned, seed, evidence=evidence, device=self.config.device)
         if spec.shards and filtered.stacked is not None:
             aggregate = await self.sharded_aggregate(client, run, filtered)
         else:
@@ -220,6 +230,48 @@ class ValidatorNode:
                  len(outcome.accepted), len(rejected), outcome.eval_loss, reply["status"],
                  time.monotonic() - started)
         return outcome
+
+    # -------------------------------------------------------------- masked rounds
+
+    async def masked_filter(self, client: LedgerClient, run: RunContext, info: dict[str, Any],
+                            base_flat: torch.Tensor, candidates: list[Candidate],
+                            registered: set[str], banned: set[str], seed: bytes
+                            ) -> FilteredRound:
+        """Wait for the board to close and the opened workers to reveal; unmask the buckets."""
+        spec, r = run.spec, info["round"]
+        path = f"/v1/runs/{spec.run_id}/rounds/{r}/secagg"
+        view = await client.get_json(path)
+        while not view["complete"]:
+            await asyncio.sleep(self.config.poll_seconds)
+            view = await client.get_json(path)
+        evidence = await self.gather_evidence(client, spec.run_id, r, run.numel)
+        challenges = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/challenges")
+        survivors = {w for b in view["buckets"] if b["live"] for w in b["survivors"] or ()}
+        waiting = {c["worker"] for c in challenges["challenges"]} & survivors
+        while (waiting - {o["body"]["worker"] for o in view["posts"]["opening"]}
+               and view["now"] < (challenges["reveal_deadline"] or 0)):
+            await asyncio.sleep(self.config.poll_seconds)
+            view = await client.get_json(path)
+        words: dict[str, np.ndarray] = {}
+        for wire in view["posts"]["masked"]:
+            body = wire["body"]
+            if body["worker"] not in survivors:
+                continue
+            try:
+                data = await client.get_blob(body["words_hash"],
+                                             max_bytes=words_file_bytes(spec.num_params))
+                words[body["worker"]] = words_of(data, spec.num_params)
+            except (LedgerRefused, RejectedInput) as exc:
+                log.warning("round %d: masked input of %s unavailable: %s", r,
+                            body["worker"][:12], exc)
+        filtered = await asyncio.to_thread(
+            filter_masked_round, run, r, info["base_model_hash"], base_flat, candidates,
+            registered, banned, seed, view, words, evidence=evidence,
+            device=self.config.device)
+        live = sum(1 for b in view["buckets"] if b["live"])
+        log.info("round %d: %d of %d buckets unmasked, %d rows aggregated", r, live,
+                 len(view["buckets"]), 0 if filtered.stacked is None else filtered.stacked.shape[0])
+        return filtered
 
     # ------------------------------------------------------------- sharded rounds
 

@@ -57,7 +57,8 @@ def clip_quality(updates: torch.Tensor, aggregate: torch.Tensor, tau: float | No
 def round_challenges(run: RunContext, candidates: list[Candidate], beacon_seed: bytes
                      ) -> dict[str, list[int]]:
     """The segments each worker in the sealed list must reveal (same rule as the ledger)."""
-    policy = ChallengePolicy.from_spec(run.spec.inner, run.spec.verification)
+    policy = ChallengePolicy.from_spec(run.spec.inner, run.spec.verification,
+                                       masked=run.spec.masked is not None)
     return compute_challenges(beacon_seed, sorted({c.worker for c in candidates}), policy)
 
 
@@ -94,10 +95,20 @@ class FilteredRound:
     accepted: list[str]
     stacked: torch.Tensor | None
     params: dict[str, Any]
+    #: Masked rounds: ``stacked`` holds bucket means, ``weights`` their member counts and
+    #: ``rows_of`` the row each accepted worker's update is summed into.
+    weights: list[int] | None = None
+    rows_of: dict[str, int] | None = None
 
     @property
     def tau(self) -> float | None:
         return self.params.get("tau")
+
+    def row_index(self) -> dict[str, int]:
+        """Accepted worker -> its row of ``stacked``."""
+        if self.rows_of is not None:
+            return self.rows_of
+        return {w: i for i, w in enumerate(self.accepted)}
 
 
 def filter_round(
@@ -197,6 +208,9 @@ def aggregate_locally(run: RunContext, filtered: FilteredRound, beacon_seed: byt
         run.spec.aggregator["name"], filtered.params,
         seed=derive_seed(beacon_seed, "aggregate", filtered.round_index),
     )
+    if filtered.weights is not None:
+        weights = torch.tensor(filtered.weights, dtype=torch.float64)
+        return agg(filtered.stacked, weights=weights).to(torch.float32)
     return agg(filtered.stacked).to(torch.float32)
 
 
@@ -219,8 +233,8 @@ def finish_round(
     by_worker, checks, distances = filtered.by_worker, filtered.checks, filtered.distances
     accepted = filtered.accepted
     if aggregate is not None and filtered.stacked is not None:
-        quality = dict(zip(accepted, clip_quality(filtered.stacked, aggregate, filtered.tau),
-                           strict=True))
+        per_row = clip_quality(filtered.stacked, aggregate, filtered.tau)
+        quality = {w: per_row[i] for w, i in filtered.row_index().items()}
     else:
         aggregate = torch.zeros_like(base_flat)
         quality = {}

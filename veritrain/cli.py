@@ -295,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validators aggregate one coordinate shard each and check the others")
     d.add_argument("--shard-cheater", action="store_true",
                    help="with --sharded: the last validator shifts its shard by 0.1%%")
+    d.add_argument("--masked-buckets", type=int, default=0, metavar="S",
+                   help="workers hide their updates in masked buckets of S (validators see "
+                   "bucket sums only; half the workers are opened by spot checks each round)")
     d.set_defaults(func=cmd_demo)
     return p
 

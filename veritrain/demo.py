@@ -9,6 +9,11 @@ With ``--sharded`` the validators split the aggregation into one coordinate
 shard each and check one another's shards; ``--shard-cheater`` makes the last
 validator publish its shard shifted by 0.1% every round, which the others must
 catch, record and recompute (specs/secure-averaging.md A).
+
+With ``--masked-buckets S`` workers hide their updates in masked buckets of S
+(specs/secure-averaging.md B, E.2): validators unmask only bucket sums, and
+the half of the workers the beacon spot-checks each round open their masked
+input, so a cheater is caught the first round it is opened.
 """
 
 from __future__ import annotations
@@ -74,6 +79,18 @@ async def _shard_faults(url: str, run_id: str, rounds: int) -> dict[int, list[in
     async with LedgerClient(url, retry_for=30.0) as client:
         return {r: (await client.get_json(f"/v1/runs/{run_id}/rounds/{r}/shards"))[
             "faulty_shards"] for r in range(rounds)}
+
+
+async def _masked_rounds(url: str, run_id: str, rounds: int) -> dict[int, dict[str, Any]]:
+    """Round -> how many buckets it dealt and unmasked, and which workers were opened."""
+    out: dict[int, dict[str, Any]] = {}
+    async with LedgerClient(url, retry_for=30.0) as client:
+        for r in range(rounds):
+            view = await client.get_json(f"/v1/runs/{run_id}/rounds/{r}/secagg")
+            out[r] = {"buckets": len(view["buckets"]),
+                      "live": sum(1 for b in view["buckets"] if b["live"]),
+                      "opened": sorted(o["body"]["worker"][:12] for o in view["posts"]["opening"])}
+    return out
 
 
 def _run_swarm(procs: LocalProcesses, url: str, run_id: str, validators: list[tuple[Path, Identity]],
@@ -170,8 +187,26 @@ def run_demo(args: argparse.Namespace) -> int:
         shard_cheater = args.validators - 1 if args.shard_cheater else None
     elif args.shard_cheater:
         raise SystemExit("--shard-cheater needs --sharded")
+    if args.masked_buckets:
+        if args.sharded:
+            raise SystemExit("--masked-buckets does not combine with --sharded yet")
+        if args.masked_buckets < 2 or n_workers < args.masked_buckets:
+            raise SystemExit("--masked-buckets needs buckets of at least 2 and that many workers")
+        settings["aggregator"]["params"].pop("bucket_size", None)
+        settings["aggregator"]["masked"] = {
+            "bucket_size": args.masked_buckets,
+            "max_dropouts": (args.masked_buckets + 1) // 2 - 1,
+            # Round-0 updates of this preset have norm ~5.6: clip well above, so honest
+            # updates pass unclipped and the fixed-point step is still ~1e-8.
+            "clip_norm": 20.0, "phase_seconds": 10.0}
+        # Validators see only bucket sums: no probe filter, and the deterrent is the
+        # opened half of the workers each round (spec E.2).
+        settings["verification"]["probe_examples"] = 0
+        settings["verification"]["spot_checks_per_round"] = max(1, n_workers // 2)
     seed = secrets.token_hex(32)  # one seed for both runs: same data for the same workers
-    print(f"veritrain demo: {n_workers} workers ({', '.join(CHEATERS)} among them), "
+    masking = (f", updates hidden in masked buckets of {args.masked_buckets}"
+               if args.masked_buckets else "")
+    print(f"veritrain demo: {n_workers} workers ({', '.join(CHEATERS)} among them){masking}, "
           f"{args.validators} validator(s){' aggregating one shard each' if args.sharded else ''}"
           f"{' (the last one shifts its shard)' if shard_cheater is not None else ''}, "
           f"{args.rounds} rounds of charlm ({args.preset})")
@@ -215,6 +250,21 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"  {name:<11} {c['worker']}: {status}, total score {c['score']:.0f}")
         print(f"  honest workers rejected: {len(summary['honest_rejections'])}")
         shard_ok = True
+        if args.masked_buckets:
+            board = asyncio.run(_masked_rounds(url, "demo-cheaters", args.rounds))
+            summary["masked"] = board
+            opened = {name: [r for r, b in board.items() if c["worker"] in b["opened"]]
+                      for name, c in summary["cheaters"].items()}
+            for name, c in summary["cheaters"].items():
+                if c["caught_in_round"] is None and not opened[name]:
+                    c["never_opened"] = True
+            live = sum(b["live"] for b in board.values())
+            total = sum(b["buckets"] for b in board.values())
+            openings = sum(len(b["opened"]) for b in board.values())
+            print(f"  masked buckets: {live} of {total} unmasked; validators saw no single "
+                  f"update but the {openings} opened ones over {args.rounds} rounds")
+            for name, rounds in opened.items():
+                print(f"  {name} opened in rounds {rounds or 'none'}")
         if args.sharded:
             faults = asyncio.run(_shard_faults(url, "demo-cheaters", args.rounds))
             caught = [r for r, shards in faults.items() if shard_cheater in shards]
@@ -241,7 +291,8 @@ def run_demo(args: argparse.Namespace) -> int:
         (out / "report.json").write_text(json.dumps(
             {"reports": reports, "summary": summary, "final_eval_loss": final,
              "audit_ok": audit.ok}, indent=1))
-        ok = (all(c["caught_in_round"] is not None for c in summary["cheaters"].values())
+        ok = (all(c["caught_in_round"] is not None or c.get("never_opened")
+                  for c in summary["cheaters"].values())
               and not summary["honest_rejections"] and audit.ok and shard_ok
               and (gap is None or gap <= 0.05))
         return 0 if ok else 1

@@ -17,23 +17,16 @@ whom they share a bucket with.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from veritrain.protocol.secagg import bucket_rank, deal_ranked
 
 from ..base import Aggregator
 from .errors import SecureAggregationError
 
 __all__ = ["aggregate_bucket_means", "assign_buckets", "bucket_rank"]
-
-_DOMAIN = b"veritrain/v1/secure/bucket"
-
-
-def bucket_rank(seed: bytes, worker: bytes) -> bytes:
-    """The 32-byte sort key of ``worker`` under ``seed``."""
-    return hashlib.sha256(_DOMAIN + len(seed).to_bytes(4, "big") + seed + worker).digest()
 
 
 def assign_buckets(seed: bytes, workers: Sequence[bytes], size: int) -> list[tuple[bytes, ...]]:
@@ -55,12 +48,7 @@ def assign_buckets(seed: bytes, workers: Sequence[bytes], size: int) -> list[tup
             f"{len(ids)} workers cannot fill one bucket of size {size}: masked averaging "
             "needs at least one full bucket (fall back to plain aggregation)"
         )
-    ranked = sorted(ids, key=lambda w: bucket_rank(seed, w))
-    count = len(ids) // size
-    buckets: list[list[bytes]] = [[] for _ in range(count)]
-    for pos, w in enumerate(ranked):
-        buckets[pos % count].append(w)
-    return [tuple(sorted(b)) for b in buckets]
+    return deal_ranked(seed, ids, size)
 
 
 def aggregate_bucket_means(
