@@ -1,0 +1,185 @@
+"""Masked rounds end to end over HTTP: workers on the board, three validators unmasking.
+
+Five workers share one bucket (t = 2). One drops out after dealing, one reveals
+forged shares, one is a free rider; every worker is spot-checked. The bucket
+still unmasks (three valid shares per secret), the free rider's masked input
+opens to its payload and is subtracted, the forger is blamed, and all three
+validators certify the same model, whose aggregate is the mean of the
+remaining masked inputs to within the fixed-point step. A second round setting
+loses more than t members and is dropped, with nobody revealing anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from fakes import validator_identities
+from ledger_harness import Api, run_api
+from test_validator_http import reveal_all, synthetic_settings
+from veritrain.aggregation.secure import fixed_point_scale
+from veritrain.ledger.audit import fetch_events, verify_events
+from veritrain.protocol.client import LedgerClient
+from veritrain.protocol.codecs import ErrorFeedback
+from veritrain.protocol.identity import Identity
+from veritrain.protocol.masked_worker import MaskedRound
+from veritrain.protocol.messages import Registration, sign
+from veritrain.protocol.organiser import build_run
+from veritrain.protocol.runtime import RunContext
+from veritrain.protocol.worker import prepare_submission
+from veritrain.validators.node import ValidatorConfig, ValidatorNode
+
+V = 3
+CLIP = 1000.0
+
+
+@pytest.fixture(autouse=True)
+def _restore_determinism_flag():
+    """Three in-process validators train concurrently; restore the process-wide flag."""
+    before = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def masked_settings(bucket: int, dropouts: int, spot_checks: int) -> dict:
+    settings = synthetic_settings()
+    settings["aggregator"] = {"name": "centered_clip", "params": {"tau_rel": 1.0},
+                              "masked": {"bucket_size": bucket, "max_dropouts": dropouts,
+                                         "clip_norm": CLIP, "phase_seconds": 2.0}}
+    settings["verification"]["probe_examples"] = 0
+    settings["verification"]["spot_checks_per_round"] = spot_checks
+    settings["verification"]["reveal_seconds"] = 5.0
+    return settings
+
+
+def test_build_run_refuses_masked_settings_that_cannot_run():
+    organiser = Identity.generate("organiser")
+    pubs = [v.public for v in validator_identities(V)]
+    settings = masked_settings(4, 2, 1)
+    with pytest.raises(ValueError, match="threshold"):
+        build_run(organiser, "bad-masked", settings, pubs)
+    settings = masked_settings(4, 1, 1)
+    settings["verification"]["probe_examples"] = 16
+    with pytest.raises(ValueError, match="probe"):
+        build_run(organiser, "bad-masked", settings, pubs)
+    settings = masked_settings(4, 1, 1)
+    settings["aggregator"]["shards"] = V
+    with pytest.raises(ValueError, match="sharded"):
+        build_run(organiser, "bad-masked", settings, pubs)
+
+
+def _masked_round(tmp_path, settings: dict, run_id: str, attacks: dict[int, str], n: int):
+    organiser = Identity.generate("organiser")
+    validators = validator_identities(V)
+    bundle = build_run(organiser, run_id, settings, [v.public for v in validators])
+    run = RunContext.build(bundle.signed.message, bundle.dataset)
+    base = run.decode_model(bundle.genesis)
+    workers = [Identity.generate("worker") for _ in range(n)]
+    preps = [prepare_submission(run, w, 0, base, run.spec.genesis_model_hash,
+                                ErrorFeedback(run.numel),
+                                attack="free_rider" if attacks.get(i) == "free_rider" else None)
+             for i, w in enumerate(workers)]
+    evidence = {}
+    for p in preps:
+        evidence.update(p.evidence)
+        evidence[p.signed.message.payload_hash] = p.payload
+    updates = [run.codec.decode(p.payload, run.numel,
+                                seed=run.codec_seed(0, p.signed.message.worker)) for p in preps]
+
+    async def judge(api: Api, ident: Identity):
+        node = ValidatorNode(ValidatorConfig(ledger_url=api.url, run_id=run_id,
+                                             poll_seconds=0.05), ident)
+        async with LedgerClient(api.url, retry_for=5.0) as client:
+            info = await client.get_json(f"/v1/runs/{run_id}/rounds/0")
+            await node.beacon_seed(client, run_id, 0)
+            own_run = RunContext.build(bundle.signed.message, bundle.dataset)
+            return await node.validate_round(client, own_run, info)
+
+    async def take_part(api: Api, i: int) -> str:
+        attack = attacks.get(i) if attacks.get(i) != "free_rider" else None
+        async with LedgerClient(api.url, retry_for=5.0) as client:
+            return await MaskedRound(client, run.spec, workers[i], 0, poll_seconds=0.05,
+                                     attack=attack).run(updates[i])
+
+    async def reveal_once_challenged(api: Api) -> None:
+        while not (await api.get(f"/v1/runs/{run_id}/rounds/0/challenges"))[1]["fixed"]:
+            await asyncio.sleep(0.05)
+        await reveal_all(api, run_id, evidence)
+
+    async def scenario(api: Api):
+        status, _ = await api.post_parts("/v1/runs", [("spec", bundle.signed.encode()),
+                                                      ("dataset", bundle.dataset),
+                                                      ("genesis", bundle.genesis)])
+        assert status == 201
+        for w in workers:
+            reg = Registration(run_id=run_id, round=0, participant=w.public_key.hex(),
+                               role="worker", created_at=1)
+            await api.post_json(f"/v1/runs/{run_id}/participants", sign(w, reg).to_wire())
+        for w, p in zip(workers, preps, strict=True):  # the envelope alone: no payload part
+            status, body = await api.post_parts(f"/v1/runs/{run_id}/rounds/0/submissions",
+                                                [("envelope", sign(w, p.signed.message).encode())])
+            assert status == 201, body
+        while (await api.get(f"/v1/runs/{run_id}/rounds/0"))[1]["status"] == "open":
+            await asyncio.sleep(0.05)
+        outcomes, ends, _ = await asyncio.gather(
+            asyncio.gather(*(judge(api, v) for v in validators)),
+            asyncio.gather(*(take_part(api, i) for i in range(n))),
+            reveal_once_challenged(api))
+        board = (await api.get(f"/v1/runs/{run_id}/rounds/0/secagg"))[1]
+        summary = (await api.get(f"/v1/runs/{run_id}/rounds/0"))[1]
+        async with api.session.get(
+                f"{api.url}/v1/blobs/{preps[-1].signed.message.payload_hash}") as resp:
+            payload_blob = resp.status
+        async with LedgerClient(api.url) as client:
+            key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
+            audit = verify_events(await fetch_events(client, run_id), key)
+        return outcomes, ends, board, summary, payload_blob, audit
+
+    result = run_api(tmp_path, scenario)
+    return workers, updates, result
+
+
+def test_a_bucket_survives_a_dropout_a_forger_and_an_opened_free_rider(tmp_path):
+    attacks = {0: "drop_after_deal", 1: "forge_reveal", 2: "free_rider"}
+    workers, updates, result = _masked_round(
+        tmp_path, masked_settings(5, 2, 5), "masked-run", attacks, 5)
+    outcomes, ends, board, summary, payload_blob, audit = result
+    keys = [w.public_key.hex() for w in workers]
+    assert summary["status"] == "finalized"
+    assert ends == ["dropped out", "revealed", "revealed", "revealed", "revealed"]
+    (bucket,) = board["buckets"]
+    assert bucket["live"] and bucket["survivors"] == sorted(keys[1:])
+    assert len(board["posts"]["opening"]) == 4  # every survivor was spot-checked
+    verdicts = {v["worker"]: v for v in outcomes[0].verdicts}
+    assert verdicts[keys[0]]["reason"] == "dropped_out"
+    assert verdicts[keys[1]]["reason"] == "forged_share"
+    assert verdicts[keys[2]]["reason"] == "spot_check_failed"
+    assert [verdicts[k]["status"] for k in keys[3:]] == ["accepted", "accepted"]
+    # All three validators certify the same model.
+    assert all(torch.equal(o.new_flat, outcomes[0].new_flat) for o in outcomes)
+    # The aggregate is the mean of the inputs left in the sum: the free rider's was
+    # subtracted after its opening, the forger's stays (its shares were ignored, not its input).
+    expected = torch.stack([updates[1], updates[3], updates[4]]).double().mean(dim=0)
+    step = 1 / fixed_point_scale(CLIP, 5)
+    assert float((outcomes[0].aggregate.double() - expected).abs().max()) <= 2 * step + 1e-7
+    # The opened workers' payloads reached the ledger through their spot check's reveal.
+    assert payload_blob == 200
+    assert audit.ok, audit.problem
+
+
+def test_more_dropouts_than_t_drop_the_bucket_and_nothing_is_revealed(tmp_path):
+    attacks = {0: "drop_after_deal", 1: "drop_after_deal"}
+    workers, _, result = _masked_round(
+        tmp_path, masked_settings(3, 1, 0), "masked-drop", attacks, 3)
+    outcomes, ends, board, summary, payload_blob, audit = result
+    keys = [w.public_key.hex() for w in workers]
+    assert summary["status"] == "finalized"
+    assert payload_blob == 404  # nobody was spot-checked: no payload ever reached the ledger
+    assert ends[2] == "too few survivors: nothing revealed"
+    assert not board["buckets"][0]["live"] and board["posts"]["reveal"] == []
+    verdicts = {v["worker"]: v for v in outcomes[0].verdicts}
+    assert {verdicts[k]["reason"] for k in keys} == {"bucket_dropped"}
+    assert float(outcomes[0].aggregate.abs().max()) == 0.0
+    assert all(torch.equal(o.new_flat, outcomes[0].new_flat) for o in outcomes)
+    assert audit.ok, audit.problem
