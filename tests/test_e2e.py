@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 from veritrain.ledger.audit import fetch_events, verify_events
 from veritrain.protocol.client import LedgerClient
@@ -195,5 +196,93 @@ def test_sharded_run_end_to_end_catches_a_validator_that_shifts_its_shard(tmp_pa
         reporters = {f["body"]["validator"] for f in view["findings"] if f["body"]["faulty"]}
         assert reporters == {validators[0].public_key.hex(), validators[1].public_key.hex()}
         assert len(view["results"]) == 3 and view["check"] is not None
+    assert audit.ok, audit.problem
+    assert audit.certificates == 2
+
+
+def test_masked_run_end_to_end_unmasks_buckets_through_a_dropout(tmp_path: Path):
+    """Three validator processes and four worker processes in one masked bucket (t = 1);
+    one worker drops out of the board after dealing, every round. Each round the bucket
+    unmasks from the three survivors, the dropout alone is rejected (``dropped_out``),
+    no payload of an unopened worker ever reaches the ledger, and the audit passes."""
+    from fakes import validator_identities
+
+    validators = validator_identities(3)
+    for i, ident in enumerate(validators):
+        write_key_file(tmp_path / f"validator-{i}.key", ident)
+    workers = [Identity.generate("worker") for _ in range(4)]
+    for i, ident in enumerate(workers):
+        write_key_file(tmp_path / f"worker-{i}.key", ident)
+    settings = run_preset("tiny")
+    settings["schedule"]["max_rounds"] = 2
+    settings["aggregator"]["params"].pop("bucket_size", None)
+    settings["aggregator"]["masked"] = {"bucket_size": 4, "max_dropouts": 1,
+                                        "clip_norm": 100.0, "phase_seconds": 3.0}
+    settings["verification"]["probe_examples"] = 0
+    settings["verification"]["spot_checks_per_round"] = 1
+    bundle = build_run(Identity.generate("organiser"), "e2e-masked", settings,
+                       [v.public for v in validators])
+    dropout = workers[3].public_key.hex()
+    procs = LocalProcesses(tmp_path / "logs")
+    try:
+        url = procs.start_ledger(tmp_path / "ledger")
+        for i in range(3):
+            procs.start(f"validator-{i}", [
+                "validator", "--ledger", url, "--key", str(tmp_path / f"validator-{i}.key"),
+                "--run", "e2e-masked"])
+        for i in range(4):
+            procs.start(f"worker-{i}", [
+                "worker", "--ledger", url, "--key", str(tmp_path / f"worker-{i}.key"),
+                "--run", "e2e-masked", "--no-progress", "--state-dir",
+                str(tmp_path / "state" / str(i)),
+                *(["--attack", "drop_after_deal"] if i == 3 else [])])
+        deadline = time.monotonic() + 300
+        while not all("waiting for run" in p.read_text()
+                      for p in (tmp_path / "logs").glob("*-*.log")):
+            assert time.monotonic() < deadline, "nodes did not start"
+            time.sleep(0.2)
+        asyncio.run(publish_run(url, bundle))
+        out = asyncio.run(_wait(url, "e2e-masked", timeout=420))
+
+        async def boards() -> tuple[list[dict], list[dict], dict[str, int]]:
+            async with LedgerClient(url) as client:
+                views = [await client.get_json(f"/v1/runs/e2e-masked/rounds/{r}/secagg")
+                         for r in range(2)]
+                subs = [await client.get_json(f"/v1/runs/e2e-masked/rounds/{r}/submissions")
+                        for r in range(2)]
+                opened = {o["body"]["worker"] for v in views for o in v["posts"]["opening"]}
+                status = {}
+                async with aiohttp.ClientSession() as session:
+                    for s in subs:
+                        for wire in s["submissions"]:
+                            body = wire["body"]
+                            if body["worker"] not in opened and body["worker"] != dropout:
+                                async with session.get(
+                                        f"{url}/v1/blobs/{body['payload_hash']}") as resp:
+                                    status[body["payload_hash"]] = resp.status
+                return views, subs, status
+
+        views, subs, blob_status = asyncio.run(boards())
+    finally:
+        procs.stop_all()
+    logs = "\n".join(p.read_text()[-2000:] for p in (tmp_path / "logs").glob("*.log"))
+    report, audit = out["report"], out["audit"]
+    assert [r["eval_loss"] is not None for r in report["rounds"]] == [True, True], logs
+    for w in report["workers"]:
+        if w["worker"] == dropout:  # in every round it reached the board in
+            assert w["rejected"] and {x["reason"] for x in w["rejected"]} == {"dropped_out"}, w
+        else:
+            assert w["rejected"] == [], w
+    dealt = 0
+    for view in views:
+        (bucket,) = view["buckets"]
+        honest = [k for k in bucket["assigned"] if k != dropout]
+        assert bucket["live"] and bucket["survivors"] == honest, view["buckets"]
+        assert view["complete"] and len(view["posts"]["reveal"]) == len(honest)
+        if dropout in bucket["assigned"]:
+            dealt += 1
+            assert dropout in bucket["dealers"]
+    assert dealt >= 1
+    assert blob_status and set(blob_status.values()) == {404}, blob_status
     assert audit.ok, audit.problem
     assert audit.certificates == 2

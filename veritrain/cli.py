@@ -250,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
             n.add_argument("--state-dir", help="receipts and error feedback "
                            "(default ~/.veritrain/worker-<key>)")
             n.add_argument("--no-progress", action="store_true", help="no progress bar")
-            n.add_argument("--attack", choices=["free_rider", "sign_flip"],
+            n.add_argument("--attack", choices=["free_rider", "sign_flip", "drop_after_deal",
+                                                "forge_reveal"],
                            help="evaluation only: behave as this kind of cheater")
         else:
             n.add_argument("--shard-wait", type=float, default=120.0,
