@@ -1,0 +1,462 @@
+"""The masked-bucket rules every party applies alike (protocol/secagg.py).
+
+``round_buckets`` deals the sealed submitters into buckets; ``phase_schedule``
+is the board's one clock: a phase closes at its last expected arrival or at its
+deadline, a bucket that can no longer finish stops being waited for. The
+property tests drive the schedule the way the ledger does (a post is stored only
+while its phase is open and waits for its sender) and check that what is once
+closed stays closed, at the same time, with the same expected senders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from veritrain.protocol.secagg import (
+    PHASES,
+    BucketState,
+    Phase,
+    bucket_dropouts,
+    bucket_rank,
+    open_phase,
+    phase_schedule,
+    round_buckets,
+    words_file_bytes,
+)
+
+SEED = b"\x07" * 32
+
+
+def worker(i: int) -> str:
+    """A 32-byte worker key (hex) that sorts in no particular relation to ``i``."""
+    return hashlib.sha256(b"worker %d" % i).hexdigest()
+
+
+def workers(n: int) -> list[str]:
+    return [worker(i) for i in range(n)]
+
+
+def flat(buckets: list[list[str]]) -> list[str]:
+    return [w for b in buckets for w in b]
+
+
+# --------------------------------------------------------------------------- round_buckets
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(0, 40), size=st.integers(2, 8), seed=st.binary(min_size=0, max_size=40),
+       data=st.data())
+def test_round_buckets_partition_the_distinct_workers(n, size, seed, data):
+    ws = workers(n)
+    # Any order, with repeats: the same workers give the same buckets.
+    shuffled = data.draw(st.permutations(ws))
+    repeats = data.draw(st.lists(st.sampled_from(ws), max_size=5)) if ws else []
+    buckets = round_buckets(seed, ws, size)
+    assert round_buckets(seed, shuffled + repeats, size) == buckets
+    if n < 2:
+        assert buckets == []
+        return
+    members = flat(buckets)
+    assert sorted(members) == sorted(ws)  # every worker exactly once
+    assert len(set(members)) == len(members)
+    assert all(b == sorted(b) for b in buckets)
+    if n < size:
+        assert buckets == [sorted(ws)]
+    else:
+        assert len(buckets) == n // size
+        sizes = [len(b) for b in buckets]
+        assert all(size <= s <= 2 * size - 1 for s in sizes)
+        assert max(sizes) - min(sizes) <= 1  # dealt round-robin
+
+
+def test_round_buckets_deal_the_ranked_workers_round_robin():
+    ws = workers(11)
+    ranked = sorted(ws, key=lambda w: bucket_rank(SEED, bytes.fromhex(w)))
+    buckets = round_buckets(SEED, ws, 4)  # 11 // 4 = 2 buckets of 6 and 5
+    assert buckets == [sorted(ranked[0::2]), sorted(ranked[1::2])]
+    assert [len(b) for b in buckets] == [6, 5]
+
+
+@pytest.mark.parametrize("ws", [[], [worker(1)], [worker(1)] * 5])
+def test_round_buckets_need_two_distinct_workers(ws):
+    assert round_buckets(SEED, ws, 3) == []
+
+
+@pytest.mark.parametrize(("n", "size"), [(2, 3), (2, 64), (4, 5), (7, 8)])
+def test_fewer_workers_than_a_bucket_share_one_bucket(n, size):
+    ws = workers(n)
+    assert round_buckets(SEED, ws, size) == [sorted(ws)]
+
+
+def test_round_buckets_at_exactly_two_sizes_make_two_buckets():
+    buckets = round_buckets(SEED, workers(6), 3)
+    assert [len(b) for b in buckets] == [3, 3]
+    # 2 size - 1 workers still make one bucket (not one of size and a short one).
+    assert [len(b) for b in round_buckets(SEED, workers(5), 3)] == [5]
+
+
+def test_round_buckets_are_keys_in_lowercase_hex():
+    ws = workers(6)
+    assert set(flat(round_buckets(SEED, ws, 2))) == set(ws)
+    assert all(w == w.lower() and len(w) == 64 for w in flat(round_buckets(SEED, ws, 2)))
+
+
+def test_different_seeds_mix_the_buckets():
+    ws = workers(12)
+    partitions = {tuple(tuple(b) for b in round_buckets(bytes([i]) * 32, ws, 3))
+                  for i in range(8)}
+    # 12 workers into 4 buckets of 3 can be dealt 15400 ways: 8 seeds giving one
+    # partition would mean the seed is ignored.
+    assert len(partitions) >= 6
+    # The seed decides who is together, not only the bucket order.
+    pair_sets = {frozenset(frozenset(b) for b in p) for p in partitions}
+    assert len(pair_sets) == len(partitions)
+
+
+def test_bucket_rank_depends_on_the_seed_length_prefix():
+    w = bytes.fromhex(worker(0))
+    assert bucket_rank(b"ab", w) != bucket_rank(b"a", b"b" + w)
+    assert len(bucket_rank(SEED, w)) == 32
+
+
+# --------------------------------------------------------------------------- bucket_dropouts
+
+@given(t=st.integers(0, 64), s=st.integers(2, 127))
+def test_bucket_dropouts_keep_the_threshold_above_half(t, s):
+    d = bucket_dropouts(t, s)
+    assert 0 <= d <= t
+    assert 2 * (s - d) > s  # k = s - t exceeds s / 2
+    # and no smaller than it has to be: one more dropout would break k > s / 2 or the run's t
+    assert d == t or 2 * (s - d - 1) <= s
+
+
+@pytest.mark.parametrize(("t", "s", "want"), [(1, 3, 1), (1, 2, 0), (5, 4, 1), (2, 5, 2),
+                                              (3, 5, 2), (0, 9, 0), (4, 9, 4)])
+def test_bucket_dropouts_examples(t, s, want):
+    assert bucket_dropouts(t, s) == want
+
+
+def test_words_file_is_four_bytes_a_parameter():
+    assert words_file_bytes(10) == 40
+    assert words_file_bytes(1) == 4
+
+
+# --------------------------------------------------------------------------- phase_schedule
+
+START, SECONDS = 100.0, 5.0
+A, B, C, D, E, F = (worker(i) for i in range(6))
+
+
+def got(kind: dict[str, float], buckets: list[list[str]]) -> dict[str, tuple[int, float]]:
+    where = {w: b for b, ms in enumerate(buckets) for w in ms}
+    return {w: (where.get(w, -1), at) for w, at in kind.items()}
+
+
+def schedule(buckets, posts, now, *, max_dropouts=1, start=START, seconds=SECONDS):
+    received = {k: got(v, buckets) for k, v in posts.items()}
+    return phase_schedule(start, seconds, buckets, received, now, max_dropouts=max_dropouts)
+
+
+def test_phase_closes_at_its_last_expected_arrival_when_everyone_posted():
+    buckets = [[A, B, C]]
+    phases, states = schedule(buckets, {"keys": {A: 101.0, C: 102.5, B: 101.5}}, now=102.6)
+    keys, deal = phases
+    assert (keys.name, keys.opened_at, keys.deadline, keys.closed_at) == ("keys", START,
+                                                                          START + SECONDS, 102.5)
+    assert keys.expected == {A, B, C}
+    # The next phase opens when the previous one closed, not at its deadline.
+    assert (deal.name, deal.opened_at, deal.deadline, deal.closed_at) == ("deal", 102.5,
+                                                                          107.5, None)
+    assert deal.expected == {A, B, C}
+    assert states[0].members == (A, B, C) and states[0].dealers is None and states[0].live
+
+
+def test_phase_closes_at_its_deadline_when_someone_is_missing():
+    buckets = [[A, B, C]]
+    posts = {"keys": {A: 101.0, B: 104.0}}
+    before, _ = schedule(buckets, posts, now=START + SECONDS - 1e-6)
+    assert [p.name for p in before] == ["keys"] and before[0].closed_at is None
+    assert open_phase(before, "keys") is before[0]
+    assert open_phase(before, "deal") is None  # not opened yet
+    at, states = schedule(buckets, posts, now=START + SECONDS)
+    assert at[0].closed_at == START + SECONDS  # exactly the deadline, not the last arrival
+    assert open_phase(at, "keys") is None
+    assert at[1].opened_at == START + SECONDS and at[1].expected == {A, B}
+    assert states[0].members == (A, B) and states[0].live
+    later, _ = schedule(buckets, posts, now=START + 50)
+    assert later[0].closed_at == START + SECONDS  # the close time does not drift with now
+    assert later[1].closed_at == START + 2 * SECONDS  # deal: nobody dealt, deadline passed
+
+
+def test_open_phase_hides_later_phases():
+    phases, states = schedule([[A, B, C]], {}, now=START + 1)
+    assert len(phases) == 1 and phases[0].closed_at is None
+    assert all(st.members is None and st.live for st in states)
+
+
+def test_no_buckets_close_every_phase_at_once():
+    phases, states = schedule([], {}, now=START)
+    assert [p.name for p in phases] == list(PHASES)
+    assert all(p.closed_at == START and p.opened_at == START and not p.expected for p in phases)
+    assert states == []
+
+
+def test_complete_round_closes_each_phase_at_its_last_post():
+    buckets = [[A, B, C]]
+    posts = {"keys": {A: 100.5, B: 101.0, C: 101.2},
+             "deal": {A: 102.0, B: 102.5, C: 103.0},
+             "masked": {A: 104.0, B: 104.5, C: 103.5},
+             "reveal": {A: 106.0, B: 105.0, C: 105.5}}
+    phases, states = schedule(buckets, posts, now=106.0)
+    assert [(p.name, p.opened_at, p.closed_at) for p in phases] == [
+        ("keys", 100.0, 101.2), ("deal", 101.2, 103.0), ("masked", 103.0, 104.5),
+        ("reveal", 104.5, 106.0)]
+    assert [p.deadline for p in phases] == pytest.approx([105.0, 106.2, 108.0, 109.5])
+    assert states == [BucketState(0, (A, B, C), (A, B, C), (A, B, C), (A, B, C), True)]
+    assert [p.to_json()["expected"] for p in phases] == [sorted([A, B, C])] * 4
+
+
+def test_expected_senders_follow_each_phase_of_each_bucket():
+    """keys: every assigned member; deal: the advertisers; masked: the dealers; reveal: the
+    survivors, each of live buckets only."""
+    buckets = [[A, B, C], [D, E, F]]
+    posts = {"keys": {A: 101, B: 101, C: 101, D: 101, E: 101},  # F never advertises
+             "deal": {A: 106, B: 106, D: 106, E: 106},  # C advertised but does not deal
+             "masked": {A: 111, B: 111, D: 111},  # E dealt but drops out
+             "reveal": {}}
+    phases, states = schedule(buckets, posts, now=1000.0, max_dropouts=1)
+    keys, deal, masked, reveal = phases
+    assert keys.expected == {A, B, C, D, E, F}
+    assert deal.expected == {A, B, C, D, E}
+    assert masked.expected == {A, B, D, E}
+    # Bucket 0: members A B C (t = 1, k = 2), survivors A B: live, they reveal.
+    # Bucket 1: members D E (t = 0, k = 2), survivor D alone: dropped, nobody reveals.
+    assert reveal.expected == {A, B}
+    b0, b1 = states
+    assert (b0.members, b0.dealers, b0.survivors, b0.live) == ((A, B, C), (A, B), (A, B), True)
+    assert (b1.members, b1.dealers, b1.survivors, b1.live) == ((D, E), (D, E), (D,), False)
+    assert [p.closed_at for p in phases] == [105.0, 110.0, 115.0, 120.0]
+
+
+def test_bucket_with_fewer_than_two_advertisers_is_dropped():
+    buckets = [[A, B, C], [D, E, F]]
+    posts = {"keys": {A: 101, D: 101, E: 102}}
+    phases, states = schedule(buckets, posts, now=START + SECONDS)
+    assert states[0].members == (A,) and not states[0].live
+    assert states[1].members == (D, E) and states[1].live
+    deal = phases[1]
+    assert deal.expected == {D, E}  # A is not waited for, alone in its bucket
+    # Once D and E dealt the deal phase closes without A; A stays out of every later phase.
+    phases, states = schedule(buckets, {**posts, "deal": {D: 106, E: 107}}, now=107)
+    assert phases[1].closed_at == 107 and phases[2].expected == {D, E}
+    assert not states[0].live and states[0].dealers == ()
+
+
+def test_bucket_with_fewer_than_two_dealers_is_dropped():
+    buckets = [[A, B, C]]
+    posts = {"keys": {A: 101, B: 101, C: 101}, "deal": {B: 102}}
+    phases, states = schedule(buckets, posts, now=500)
+    assert states[0].dealers == (B,) and not states[0].live
+    masked = phases[2]
+    assert masked.expected == frozenset() and masked.closed_at == masked.opened_at
+    assert phases[3].expected == frozenset() and phases[3].closed_at == masked.opened_at
+
+
+def test_an_empty_phase_closes_the_moment_it_opens():
+    buckets = [[A, B]]
+    # Nobody advertised: keys closes at its deadline, and deal, masked and reveal, which
+    # then expect nobody, close at that same instant.
+    phases, states = schedule(buckets, {}, now=START + SECONDS)
+    assert [p.closed_at for p in phases] == [START + SECONDS] * 4
+    assert [p.expected for p in phases[1:]] == [frozenset()] * 3
+    assert states[0].members == () and not states[0].live
+
+
+@pytest.mark.parametrize(("survivors", "max_dropouts", "live"), [
+    ((A, B, C), 1, True),
+    ((A, B), 1, True),  # k = 3 - 1 = 2
+    ((A,), 1, False),
+    ((A, B), 0, False),  # t = 0: every dealer must survive
+    ((A, B), 5, True),  # the run's t is capped at (3 + 1) // 2 - 1 = 1 for three members
+])
+def test_survivors_below_the_threshold_drop_the_bucket(survivors, max_dropouts, live):
+    buckets = [[A, B, C]]
+    posts = {"keys": {A: 101, B: 101, C: 101}, "deal": {A: 102, B: 102, C: 102},
+             "masked": {w: 103.0 for w in survivors}}
+    phases, states = schedule(buckets, posts, now=200, max_dropouts=max_dropouts)
+    assert states[0].survivors == survivors and states[0].live is live
+    assert phases[3].expected == (frozenset(survivors) if live else frozenset())
+
+
+def test_threshold_counts_the_advertisers_not_the_assigned():
+    # Five assigned but three advertise: t = bucket_dropouts(2, 3) = 1 and k = 3 - 1 = 2
+    # (counting the five assigned would give t = 2 and k = 3).
+    buckets = [[A, B, C, D, E]]
+    posts = {"keys": {A: 101, B: 101, C: 101}, "deal": {A: 106, B: 106, C: 106},
+             "masked": {A: 107.0, B: 107.0}}
+    phases, states = schedule(buckets, posts, now=300, max_dropouts=2)
+    assert states[0].members == (A, B, C) and states[0].survivors == (A, B)
+    assert states[0].live
+    assert phases[3].expected == {A, B}
+    phases, states = schedule(buckets, {**posts, "masked": {A: 107.0}}, now=300, max_dropouts=2)
+    assert not states[0].live and phases[3].expected == frozenset()
+
+
+def test_members_keep_the_assigned_order_and_ignore_other_senders():
+    buckets = [[A, B, C]]
+    posts = {"keys": {C: 101.0, A: 102.0, D: 100.5, B: 103.0}}  # D is in no bucket
+    phases, states = schedule(buckets, posts, now=103.0)
+    assert states[0].members == (A, B, C)
+    assert phases[0].closed_at == 103.0  # D's post neither closes nor delays keys
+
+
+def test_arrival_before_the_phase_opened_closes_it_on_opening():
+    # The ledger never stores such a post; the rule still never closes a phase
+    # before it opened.
+    phases, _ = schedule([[A, B]], {"keys": {A: 101, B: 101}, "deal": {A: 100.5, B: 100.7}},
+                         now=101)
+    assert phases[1].opened_at == 101 and phases[1].closed_at == 101
+
+
+# --------------------------------------------------------------------------- properties
+
+#: When each worker posts in each phase, seconds after the phase opened (None: never).
+Delays = dict[str, dict[str, float | None]]
+
+
+@st.composite
+def boards(draw):
+    n = draw(st.integers(0, 9))
+    size = draw(st.integers(2, 4))
+    seed = draw(st.binary(min_size=1, max_size=8))
+    buckets = round_buckets(seed, workers(n), size)
+    seconds = draw(st.sampled_from([0.5, 1.0, 2.5, 5.0]))
+    max_dropouts = draw(st.integers(0, 3))
+    # Mostly on time, some late (after the deadline: the ledger refuses them), some never.
+    delay = st.one_of(st.floats(0.0, seconds, allow_nan=False), st.just(0.0),
+                      st.floats(seconds, 3 * seconds), st.none())
+    delays = {w: {name: draw(st.one_of(delay, delay, st.floats(0.0, seconds * 0.9)))
+                  for name in PHASES} for w in flat(buckets)}
+    return buckets, seconds, max_dropouts, delays
+
+
+def _check_phases(phases: list[Phase], seconds: float, now: float) -> None:
+    assert [p.name for p in phases] == list(PHASES[: len(phases)])
+    assert phases[0].opened_at == START
+    for i, p in enumerate(phases):
+        assert p.deadline == p.opened_at + seconds
+        if p.closed_at is None:
+            assert i == len(phases) - 1  # only the last phase listed may be open
+            assert now < p.deadline
+        else:
+            assert p.opened_at <= p.closed_at <= p.deadline
+            assert p.closed_at <= now
+            if i + 1 < len(phases):
+                assert phases[i + 1].opened_at == p.closed_at
+    assert len(phases) == 4 or phases[-1].closed_at is None
+
+
+def simulate(buckets, seconds, max_dropouts, delays, on_step=None):
+    """Run the board as the ledger does: at each moment, the next post is the earliest
+    pending one of a sender the open phase waits for, stored only while the phase is
+    open; otherwise time jumps to the deadline. Returns the stored receipt times."""
+    posts: dict[str, dict[str, float]] = {k: {} for k in PHASES}
+    now = START
+    for _ in range(4 * (len(flat(buckets)) + 2)):
+        phases, states = schedule(buckets, posts, now, max_dropouts=max_dropouts,
+                                  seconds=seconds)
+        if on_step is not None:
+            on_step(now, posts, phases, states)
+        cur = phases[-1]
+        if cur.closed_at is not None:
+            assert len(phases) == 4
+            return posts
+        pending = [(cur.opened_at + d, w) for w in cur.expected - posts[cur.name].keys()
+                   if (d := delays[w][cur.name]) is not None]
+        at, who = min(pending, default=(float("inf"), ""))
+        if at < cur.deadline:
+            now = max(now, at)
+            assert open_phase(phases, cur.name) is cur and who in cur.expected
+            posts[cur.name][who] = now
+            if cur.expected <= posts[cur.name].keys():
+                # Everyone it waits for posted: the phase closes at this very post.
+                after, _ = schedule(buckets, posts, now, max_dropouts=max_dropouts,
+                                    seconds=seconds)
+                assert after[PHASES.index(cur.name)].closed_at == now
+        else:
+            now = cur.deadline
+    raise AssertionError("the board did not finish")
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(board=boards())
+def test_ledger_driven_schedule_only_moves_forward(board):
+    """Arrivals stored as the ledger stores them (to an open phase, from a sender it waits
+    for, once): close times stay within [opened, deadline] and never change once fixed."""
+    buckets, seconds, max_dropouts, delays = board
+    seen: dict[str, Phase] = {}  # the closed phases so far
+    seen_states: list[list[BucketState]] = []
+
+    def step(now, posts, phases, states):
+        _check_phases(phases, seconds, now)
+        for p in phases:
+            if p.closed_at is not None:
+                if p.name in seen:
+                    assert p == seen[p.name], "a closed phase changed"
+                seen[p.name] = p
+            else:
+                assert p.name not in seen, "a closed phase reopened"
+        if seen_states:
+            for old, new in zip(seen_states[-1], states, strict=True):
+                for field in ("members", "dealers", "survivors"):
+                    if getattr(old, field) is not None:
+                        assert getattr(new, field) == getattr(old, field)
+                if not old.live:
+                    assert not new.live  # a dropped bucket never comes back
+        seen_states.append(states)
+
+    posts = simulate(buckets, seconds, max_dropouts, delays, step)
+    now = max([START, *(t for kind in posts.values() for t in kind.values())]) + 1000.0
+    final, states = schedule(buckets, posts, now, max_dropouts=max_dropouts, seconds=seconds)
+    step(now, posts, final, states)
+    assert len(final) == 4 and all(p.closed_at is not None for p in final)
+    for p in final:
+        if p.closed_at < p.deadline:
+            assert p.expected <= posts[p.name].keys()  # closed early only when all posted
+            if p.expected:
+                event(f"{p.name} closed early")
+        # Nobody posts to a phase that does not wait for it.
+        assert posts[p.name].keys() <= p.expected
+    if any(not s_.live for s_ in states):
+        event("a bucket was dropped")
+    if states and all(s_.live for s_ in states):
+        event("every bucket finished")
+    for st_ in states:
+        if st_.live:
+            assert st_.survivors is not None and len(st_.survivors) >= 2
+            assert st_.survivors == tuple(w for w in st_.assigned if w in posts["masked"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(board=boards(), cut=st.floats(0.0, 25.0, allow_nan=False))
+def test_schedule_at_any_time_is_a_prefix_of_the_final_one(board, cut):
+    """What a reader saw at time ``cut`` (the rows stored by then) agrees with what the
+    audit recomputes from all rows later: every phase closed then is closed alike, and
+    the open one has the same opening, deadline and expected senders."""
+    buckets, seconds, max_dropouts, delays = board
+    posts = simulate(buckets, seconds, max_dropouts, delays)
+    at = START + cut
+    stored = {k: {w: t for w, t in v.items() if t <= at} for k, v in posts.items()}
+    snapshot, _ = schedule(buckets, stored, at, max_dropouts=max_dropouts, seconds=seconds)
+    final, _ = schedule(buckets, posts, at + 1000.0, max_dropouts=max_dropouts,
+                        seconds=seconds)
+    assert len(snapshot) <= len(final) == 4
+    for early, late in zip(snapshot, final, strict=False):
+        if early.closed_at is not None:
+            assert early == late
+        else:
+            assert (early.opened_at, early.deadline, early.expected) == (
+                late.opened_at, late.deadline, late.expected)
+            assert late.closed_at is None or late.closed_at > at
