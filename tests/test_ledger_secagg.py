@@ -7,8 +7,8 @@ refuses a post to a closed phase, from a sender the phase does not wait for, fro
 another bucket, signed by someone else, or contradicting the board (a deal to
 other holders, a reveal for other survivors), and takes openings only from the
 spot-checked workers. A phase closes when its last expected sender posts, or at
-its deadline (an injected clock here, no sleeping). The chain audit passes over
-the whole board.
+its deadline (an injected clock here, slowed down and jumped forward: no
+sleeping). The chain audit passes over the whole board.
 
 Most posts are structurally valid fakes (the ledger checks no cryptography); one
 test runs the real masked workers against the board and unmasks the bucket sums.
@@ -66,6 +66,22 @@ def masked_run(run_id: str = RUN, *, spot_checks: int = 2) -> FakeRun:
     assert run.spec.masked == MASKED and run.spec.masking_problem() is None
     assert run.spec.num_params == NUM_PARAMS
     return run
+
+
+class LedgerClock:
+    """The ledger's clock here: it runs at 1/100 of wall time, so no phase meets its
+    deadline however slow the machine (a phase closes early only because everyone
+    posted), and it jumps forward when a test lets a deadline pass."""
+
+    def __init__(self) -> None:
+        self.t0 = time.time()
+        self.skew = 0.0
+
+    def __call__(self) -> float:
+        return self.t0 + (time.time() - self.t0) * 0.01 + self.skew
+
+    def advance(self, seconds: float) -> None:
+        self.skew += seconds
 
 
 def hx(*parts: Any) -> str:
@@ -201,6 +217,7 @@ def test_masked_run_takes_envelopes_only_and_deals_buckets_at_the_beacon(tmp_pat
 
     async def scenario(api: Api) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        api.store.clock = LedgerClock()
         assert (await api.create_run(run))[0] == 201
         for w in ids:
             await api.register(run, w)
@@ -224,6 +241,9 @@ def test_masked_run_takes_envelopes_only_and_deals_buckets_at_the_beacon(tmp_pat
         plain = make_fake_run("plain-run", n_validators=2, quorum=2)
         assert (await api.create_run(plain))[0] == 201
         out["plain"] = await api.get("/v1/runs/plain-run/rounds/0/secagg")
+        plain_keys = SecaggKeys(**{**keys_msg(ids[0], 0).to_body(), "run_id": "plain-run"})
+        out["plain_keys"] = await api.post_json("/v1/runs/plain-run/rounds/0/secagg/keys",
+                                                sign(ids[0], plain_keys).to_wire())
         return out
 
     out = run_api(tmp_path, scenario, db_url=ledger_url, **NO_LIMITS)
@@ -255,8 +275,10 @@ def test_masked_run_takes_envelopes_only_and_deals_buckets_at_the_beacon(tmp_pat
     assert out["bad_query"][0] == 400
     assert refused(out["other_round"], 404, "not_found")
     assert refused(out["plain"], 409, "not_masked")
-    started = [e for e in out["events"] if e.kind == "secagg_started"]
+    assert refused(out["plain_keys"], 409, "not_masked")
+    started = [decode_canonical(e.body) for e in out["events"] if e.kind == "secagg_started"]
     assert len(started) == 1
+    assert started[0]["buckets"] == expected and started[0]["started_at"] == view["started_at"]
     assert out["audit"].ok, out["audit"].problem
 
 
@@ -267,6 +289,7 @@ def test_keys_and_deal_refusals_leave_the_board_unchanged(tmp_path, ledger_url):
 
     async def scenario(api: Api) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        clock = api.store.clock = LedgerClock()
         view = await open_board(api, run, ids)
         (a, b, c), (d, e, f) = by_bucket(view, ids)
         out["buckets"] = [[pk(a), pk(b), pk(c)], [pk(d), pk(e), pk(f)]]
@@ -292,9 +315,9 @@ def test_keys_and_deal_refusals_leave_the_board_unchanged(tmp_path, ledger_url):
         for w, bk in ((b, 0), (c, 0), (d, 1), (e, 1)):
             assert (await post(api, "keys", w, keys_msg(w, bk)))[0] == 201
         out["five"] = await board(api)
-        out["last_sent"] = time.time()
+        out["last_sent"] = clock()
         out["last_keys"] = await post(api, "keys", f, keys_msg(f, 1))
-        out["last_done"] = time.time()
+        out["last_done"] = clock()
         out["keys_closed"] = await board(api)
         members0 = [pk(a), pk(b), pk(c)]
         before = stable(await board(api))
@@ -371,6 +394,7 @@ def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url):
 
     async def scenario(api: Api) -> dict[str, Any]:
         out: dict[str, Any] = {"closes": []}
+        api.store.clock = LedgerClock()
         view = await open_board(api, run, ids)
         buckets = by_bucket(view, ids)
         keys_of = [[pk(w) for w in b] for b in buckets]
@@ -494,12 +518,12 @@ def test_deadlines_close_phases_and_drop_buckets_that_cannot_finish(tmp_path, le
     a bucket left with one survivor of two members is dropped and nobody reveals for it."""
     run = masked_run()
     ids = [Identity.generate("worker") for _ in range(6)]
-    skew = [0.0]
     seconds = MASKED["phase_seconds"]
+    clock = LedgerClock()
 
     async def scenario(api: Api) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        api.store.clock = lambda: time.time() + skew[0]
+        api.store.clock = clock
         view = await open_board(api, run, ids)
         (a, b, c), (d, e, f) = by_bucket(view, ids)
         out["started_at"] = view["started_at"]
@@ -507,7 +531,7 @@ def test_deadlines_close_phases_and_drop_buckets_that_cannot_finish(tmp_path, le
         for w, i in ((a, 0), (b, 0), (c, 0), (d, 1), (e, 1)):  # f never advertises
             assert (await post(api, "keys", w, keys_msg(w, i)))[0] == 201
         out["keys_waiting"] = await board(api)
-        skew[0] += seconds
+        clock.advance(seconds)
         out["keys_deadline"] = await board(api)
         out["late_keys"] = await post(api, "keys", f, keys_msg(f, 1))
         out["f_deal"] = await post(api, "deal", f, deal_msg(f, 1, [pk(d), pk(e), pk(f)]))
@@ -521,7 +545,7 @@ def test_deadlines_close_phases_and_drop_buckets_that_cannot_finish(tmp_path, le
             status, body = await post_masked(api, w, masked_msg(w, i))
             assert status == 201, body
         out["masked_waiting"] = await board(api)
-        skew[0] += seconds
+        clock.advance(seconds)
         out["masked_deadline"] = await board(api)
         out["late_masked"] = await post_masked(api, c, masked_msg(c, 0))
         out["reveal_dropped_bucket"] = await post(api, "reveal", d, reveal_msg(
@@ -619,6 +643,7 @@ def test_real_masked_workers_complete_the_board_and_it_unmasks_to_their_sum(tmp_
 
     async def scenario(api: Api) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        api.store.clock = LedgerClock()
         await open_board(api, run, ids)
         async with LedgerClient(api.url, retry_for=5.0) as client:
             out["ended"] = await asyncio.gather(*[
