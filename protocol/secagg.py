@@ -11,7 +11,8 @@ survivors reveal the shares that unmask the bucket's sum, and nothing else).
 soon as everyone it expects has posted, or at its deadline
 (``phase_seconds`` after the previous phase closed); the ledger refuses a post
 to a closed phase, so the schedule follows from the stored rows and their
-receipt times alone and the audit recomputes it. Torch-free: the ledger runs it.
+receipt times alone (the audit does not recheck it: receipt times are not
+chained). Torch-free: the ledger runs it.
 """
 
 from __future__ import annotations
