@@ -29,6 +29,18 @@ class Candidate:
         return self.signed.message.worker
 
 
+def group_by_worker(candidates: list[Candidate]) -> tuple[dict[str, Candidate], set[str]]:
+    """Each worker's first submission (by digest) and the workers with more than one."""
+    by_worker: dict[str, Candidate] = {}
+    repeated: set[str] = set()
+    for c in sorted(candidates, key=lambda c: (c.worker, c.signed.digest)):
+        if c.worker in by_worker:
+            repeated.add(c.worker)
+        else:
+            by_worker[c.worker] = c
+    return by_worker, repeated
+
+
 @dataclass
 class Rejection:
     worker: str

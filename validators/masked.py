@@ -53,7 +53,7 @@ from veritrain.protocol.messages import (
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.secagg_wire import advert_of, bucket_context, commitments_of, reveal_of
 
-from .checks import Candidate, admit, admit_envelope
+from .checks import Candidate, admit, admit_envelope, group_by_worker
 from .round import FilteredRound, resolve_aggregator_params, round_challenges
 from .segments import check_segment
 
@@ -163,13 +163,7 @@ def filter_masked_round(
     evidence = evidence or {}
     boards, openings = parse_board(spec, view)
     verdicts: dict[str, dict[str, Any]] = {}
-    by_worker: dict[str, Candidate] = {}
-    repeated: set[str] = set()
-    for c in sorted(candidates, key=lambda c: (c.worker, c.signed.digest)):
-        if c.worker in by_worker:
-            repeated.add(c.worker)
-        else:
-            by_worker[c.worker] = c
+    by_worker, repeated = group_by_worker(candidates)
 
     def reject(worker: str, reason: str, detail: str, **extra: Any) -> None:
         if worker in verdicts or worker not in by_worker:

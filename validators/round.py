@@ -25,7 +25,7 @@ from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.outer import OuterState, encode_update, outer_step
 from veritrain.protocol.runtime import RunContext
 
-from .checks import Candidate, admit, norm_outliers
+from .checks import Candidate, admit, group_by_worker, norm_outliers
 from .probe import loss_regressions, probe_gains, probe_rows
 from .segments import check_segment
 
@@ -140,13 +140,7 @@ def filter_round(
             "reason": reason, "detail": detail[:500], "spot_checked": False, "distance": None,
             "checks": [], **extra,
         }
-    by_worker: dict[str, Candidate] = {}
-    repeated: set[str] = set()
-    for c in sorted(candidates, key=lambda c: (c.worker, c.signed.digest)):
-        if c.worker in by_worker:
-            repeated.add(c.worker)
-        else:
-            by_worker[c.worker] = c
+    by_worker, repeated = group_by_worker(candidates)
     for worker, c in by_worker.items():
         if worker in repeated:
             reject(c, "duplicate", "the sealed list holds more than one submission from this worker")
