@@ -302,6 +302,9 @@ class RunSpec(Message):
                     f"{2 * m['max_dropouts']} (the threshold s - t must exceed s / 2)")
         if self.probe[0] > 0:
             return "masked buckets hide single updates: the probe filter cannot run (set 0)"
+        if self.schedule["min_submissions"] < 2:
+            return ("masked buckets need schedule.min_submissions >= 2: a round sealed "
+                    "with one submitter has no bucket to hide it in")
         return None
 
     def validator_index(self, ed25519_hex: str) -> int | None:

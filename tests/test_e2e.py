@@ -220,6 +220,9 @@ def test_masked_run_end_to_end_unmasks_buckets_through_a_dropout(tmp_path: Path)
                                         "clip_norm": 100.0, "phase_seconds": 3.0}
     settings["verification"]["probe_examples"] = 0
     settings["verification"]["spot_checks_per_round"] = 1
+    # All four in before a round seals: a worker that registers late would otherwise
+    # find round 0 sealed over the early ones (every registered worker had submitted).
+    settings["schedule"]["min_submissions"] = 4
     bundle = build_run(Identity.generate("organiser"), "e2e-masked", settings,
                        [v.public for v in validators])
     dropout = workers[3].public_key.hex()

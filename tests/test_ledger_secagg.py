@@ -62,7 +62,8 @@ def masked_run(run_id: str = RUN, *, spot_checks: int = 2) -> FakeRun:
                     "spot_checks_per_round": spot_checks}
     run = make_fake_run(run_id, n_validators=2, quorum=2, verification=verification,
                         aggregator={"name": "centered_clip", "params": {"tau_rel": 1.0},
-                                    "masked": MASKED})
+                                    "masked": MASKED},
+                        schedule={**run_preset("tiny")["schedule"], "min_submissions": 2})
     assert run.spec.masked == MASKED and run.spec.masking_problem() is None
     assert run.spec.num_params == NUM_PARAMS
     return run

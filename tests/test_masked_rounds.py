@@ -50,6 +50,7 @@ def masked_settings(bucket: int, dropouts: int, spot_checks: int) -> dict:
     settings["verification"]["probe_examples"] = 0
     settings["verification"]["spot_checks_per_round"] = spot_checks
     settings["verification"]["reveal_seconds"] = 5.0
+    settings["schedule"]["min_submissions"] = 2
     return settings
 
 
@@ -62,6 +63,10 @@ def test_build_run_refuses_masked_settings_that_cannot_run():
     settings = masked_settings(4, 1, 1)
     settings["verification"]["probe_examples"] = 16
     with pytest.raises(ValueError, match="probe"):
+        build_run(organiser, "bad-masked", settings, pubs)
+    settings = masked_settings(4, 1, 1)
+    settings["schedule"]["min_submissions"] = 1
+    with pytest.raises(ValueError, match="min_submissions"):
         build_run(organiser, "bad-masked", settings, pubs)
     settings = masked_settings(4, 1, 1)
     settings["aggregator"]["shards"] = V

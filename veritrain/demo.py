@@ -190,8 +190,9 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.masked_buckets:
         if args.sharded:
             raise SystemExit("--masked-buckets does not combine with --sharded yet")
-        if args.masked_buckets < 2 or n_workers < args.masked_buckets:
-            raise SystemExit("--masked-buckets needs buckets of at least 2 and that many workers")
+        if args.masked_buckets < 2 or n_workers < max(4, args.masked_buckets):
+            raise SystemExit("--masked-buckets needs buckets of at least 2, that many workers "
+                             "and two honest workers besides the cheaters")
         settings["aggregator"]["params"].pop("bucket_size", None)
         settings["aggregator"]["masked"] = {
             "bucket_size": args.masked_buckets,
@@ -203,6 +204,10 @@ def run_demo(args: argparse.Namespace) -> int:
         # opened half of the workers each round (spec E.2).
         settings["verification"]["probe_examples"] = 0
         settings["verification"]["spot_checks_per_round"] = max(1, n_workers // 2)
+        # A round seals with a bucket's worth of submitters (or every honest one): an
+        # early worker never finds itself alone (unmaskable) because the rest registered
+        # late, and banned cheaters do not hold the rounds open.
+        settings["schedule"]["min_submissions"] = min(args.masked_buckets, n_workers - 2)
     seed = secrets.token_hex(32)  # one seed for both runs: same data for the same workers
     masking = (f", updates hidden in masked buckets of {args.masked_buckets}"
                if args.masked_buckets else "")
