@@ -462,9 +462,13 @@ async def post_secagg_masked(request: web.Request) -> web.Response:
     _shard_message(request, signed)
     msg = signed.message
     spec = await ledger.read(lambda s: ledger.store.get_spec(s, msg.run_id))
+    if spec.masked is None:
+        raise RejectedInput(f"run {spec.run_id} does not mask its updates", "not_masked")
     limit = words_file_bytes(spec.num_params)
-    if spec.masked is None or msg.words_bytes != limit:
+    if msg.words_bytes != limit:
         raise RejectedInput(f"a masked input of this run is {limit} bytes", "malformed")
+    if await ledger.write(ledger.store.precheck_secagg, "masked", signed):
+        return web.json_response({"kind": "masked", "already": True}, status=201)
     digest, size = await part_to_blob(request, reader, "words", limit, msg.words_hash)
     if size != limit:
         raise RejectedInput(f"words file is {size} bytes, not {limit}", "malformed")

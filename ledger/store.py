@@ -478,6 +478,18 @@ class LedgerStore:
                 self._append(s, msg.run_id, msg.KIND, signed.encode())
             return reply
 
+    def precheck_secagg(self, kind: str, signed: Signed[Any]) -> bool:
+        """``post_secagg``'s checks without storing anything (its transaction is rolled
+        back), so a masked input's words are streamed only for a post the board takes.
+        Raises the refusal; True for an exact resend (nothing left to store)."""
+        msg = signed.message
+        with self.sessions() as s:
+            spec = self.get_spec(s, msg.run_id)
+            rnd = self._round(s, msg.run_id, msg.round)
+            _, new = secagg.accept_post(s, spec, rnd, kind, signed, self.clock())
+            s.rollback()
+            return not new
+
     def round_secagg(self, s: Session, run_id: str, r: int,
                      bucket: int | None = None) -> dict[str, Any]:
         spec = self.get_spec(s, run_id)

@@ -245,6 +245,10 @@ def test_masked_run_takes_envelopes_only_and_deals_buckets_at_the_beacon(tmp_pat
         plain_keys = SecaggKeys(**{**keys_msg(ids[0], 0).to_body(), "run_id": "plain-run"})
         out["plain_keys"] = await api.post_json("/v1/runs/plain-run/rounds/0/secagg/keys",
                                                 sign(ids[0], plain_keys).to_wire())
+        plain_masked = SecaggMasked(**{**masked_msg(ids[0], 0).to_body(), "run_id": "plain-run"})
+        out["plain_masked"] = await api.post_parts(
+            "/v1/runs/plain-run/rounds/0/secagg/masked",
+            [("envelope", sign(ids[0], plain_masked).encode()), ("words", WORDS)])
         return out
 
     out = run_api(tmp_path, scenario, db_url=ledger_url, **NO_LIMITS)
@@ -277,6 +281,7 @@ def test_masked_run_takes_envelopes_only_and_deals_buckets_at_the_beacon(tmp_pat
     assert refused(out["other_round"], 404, "not_found")
     assert refused(out["plain"], 409, "not_masked")
     assert refused(out["plain_keys"], 409, "not_masked")
+    assert refused(out["plain_masked"], 409, "not_masked")
     started = [decode_canonical(e.body) for e in out["events"] if e.kind == "secagg_started"]
     assert len(started) == 1
     assert started[0]["buckets"] == expected and started[0]["started_at"] == view["started_at"]
@@ -424,12 +429,16 @@ def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url):
             "wrong_bucket": await post_masked(api, a, masked_msg(a, 1)),
         }
         out["masked_unchanged"] = stable(await board(api)) == before
+        # A refused masked input's words never reach the blob store.
+        out["refused_words"] = await api.get(f"/v1/blobs/{hashlib.sha256(WORDS).hexdigest()}")
         for i, b in enumerate(buckets):
             for w in b:
                 data = hashlib.sha256(pk(w).encode()).digest()[: len(WORDS)].ljust(len(WORDS),
                                                                                    b"\0")
                 status, body = await post_masked(api, w, masked_msg(w, i, data), data)
                 assert status == 201, body
+        # An exact resend is answered from the board, its words are not read again.
+        out["masked_again"] = await post_masked(api, w, masked_msg(w, i, data), b"")
         out["closes"].append(await board(api))
         who = {pk(w): (w, i) for i, b in enumerate(buckets) for w in b}
         unchallenged = next(k for k in who if k not in out["challenged"])
@@ -484,6 +493,8 @@ def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url):
     assert refused(m["hash_lie"], 400, "payload_mismatch")
     assert refused(m["wrong_bucket"], 403, "wrong_bucket")
     assert out["masked_unchanged"]
+    assert refused(out["refused_words"], 404, "not_found")
+    assert out["masked_again"] == (201, {"kind": "masked", "already": True})
     assert len(out["challenged"]) == 2
     assert refused(out["not_challenged"], 403, "not_challenged")
     assert [s for s, _ in out["openings"]] == [201, 201]
