@@ -73,6 +73,7 @@ from veritrain.protocol.messages import (
     digest_of,
     open_signed,
 )
+from veritrain.protocol.secagg import round_buckets
 from veritrain.protocol.signing import compute_signing_root, verify_ed25519
 
 from .blsbatch import batch_fast_aggregate_verify
@@ -964,6 +965,9 @@ class _Pass:
         if (len(set(members)) != len(members) or len(members) > len(rnd.closed or ())
                 or any(len(b) < 2 or b != sorted(b) for b in buckets)):
             raise Bad("buckets overlap, hold more workers than the sealed list, or are short")
+        if buckets != round_buckets(bytes.fromhex(rnd.beacon_seed), members,
+                                    spec.masked["bucket_size"]):
+            raise Bad("buckets are not the beacon's deal of their members")
         rnd.secagg_bucket_of = {w: b for b, ws in enumerate(buckets) for w in ws}
 
     def _secagg_post(self, kind: str, signed: Any) -> None:

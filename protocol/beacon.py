@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Sequence
 
+from . import bls
+from .errors import RejectedInput
 from .signing import compute_signing_root
 
 
@@ -63,6 +66,47 @@ def beacon_seed_of(fixed: bytes | dict) -> str:
     """Hex seed of a fixed beacon ``{"signers": [...], "shares": [hex, ...]}`` (index order)."""
     beacon = json.loads(fixed) if isinstance(fixed, bytes) else fixed
     return compute_beacon_seed([bytes.fromhex(x) for x in beacon["shares"]]).hex()
+
+
+def verify_fixed_beacon(validators: Sequence[dict], quorum: int, run_id: str, round_index: int,
+                        fixed: dict) -> bytes:
+    """The seed of a fixed beacon after checking it, for a party that does not take the
+    ledger's word for it: ``signers`` a sorted quorum of distinct validator indices, one
+    share each, every share a valid BLS signature of the beacon root by its validator
+    (a pairing check each, about 0.3 s in pure Python). RejectedInput otherwise."""
+    signers, shares = fixed.get("signers"), fixed.get("shares")
+    if (not isinstance(signers, list) or not isinstance(shares, list)
+            or len(signers) != len(shares) or len(signers) < quorum
+            or signers != sorted(set(signers))
+            or any(not isinstance(k, int) or not 0 <= k < len(validators) for k in signers)):
+        raise RejectedInput("the beacon's signers are not a quorum of the validators",
+                            "bad_signature")
+    key = (run_id, round_index, quorum, tuple(signers), tuple(map(str, shares)),
+           tuple(validators[k]["bls"] for k in signers))
+    with _VERIFY_LOCK:  # concurrent callers of one process wait for the first one's answer
+        if (seed := _VERIFIED.get(key)) is not None:
+            return seed
+        root = beacon_root(run_id, round_index)
+        raw = []
+        for k, share in zip(signers, shares, strict=True):
+            try:
+                sig = bytes.fromhex(share)
+            except (TypeError, ValueError):
+                raise RejectedInput("a beacon share is not hex", "bad_signature") from None
+            if not bls.verify(bytes.fromhex(validators[k]["bls"]), root, sig):
+                raise RejectedInput(f"validator {k}'s beacon share does not verify",
+                                    "bad_signature")
+            raw.append(sig)
+        if len(_VERIFIED) >= 1024:
+            _VERIFIED.clear()
+        seed = _VERIFIED[key] = compute_beacon_seed(raw)
+        return seed
+
+
+#: Beacons already verified in this process (nodes sharing one process, as in tests and
+#: simulations, pay the pairings once): the inputs that passed -> their seed.
+_VERIFIED: dict[tuple, bytes] = {}
+_VERIFY_LOCK = threading.Lock()
 
 
 def derive_seed(seed: bytes, label: str, *parts: bytes | str | int) -> int:

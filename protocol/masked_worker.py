@@ -10,7 +10,10 @@ round's beacon to deal it into a bucket, then walks the board's phases:
             the dealers that dropped, never both for one dealer; and nothing at all
             when U is below the threshold (the sum would expose too few inputs)
 
-and, if the beacon spot-checks it, posts its opening (self-mask seed and mask
+Before it advertises anything it checks the deal itself: the beacon's shares
+against the validators' BLS keys, and the buckets against the beacon's deal of
+the sealed submitters (:func:`check_dealt`), so a ledger cannot place it with
+colluding workers. Then, if the beacon spot-checks it, it posts its opening (self-mask seed and mask
 key) so validators can re-mask the update they recompute. The secrets live in
 memory only: a worker that restarts mid-round is a dropout, which the bucket
 survives up to its t.
@@ -38,6 +41,7 @@ from veritrain.aggregation.secure import (
     reveal_shares,
 )
 
+from .beacon import verify_fixed_beacon
 from .client import LedgerClient, LedgerRefused
 from .errors import RejectedInput
 from .identity import Identity
@@ -47,9 +51,11 @@ from .messages import (
     SecaggKeys,
     SecaggMasked,
     SecaggOpening,
+    Submission,
     open_signed,
     sign,
 )
+from .secagg import check_dealt
 from .secagg_wire import (
     advert_of,
     bucket_context,
@@ -120,6 +126,11 @@ class MaskedRound:
         """Take part in the round's bucket with ``update``; returns how it ended."""
         spec, r, me = self.spec, self.r, self.me
         view = await self._view(lambda v: True)
+        try:
+            await self._check_deal(view)
+        except RejectedInput as exc:
+            log.error("round %d: not taking part in this board: %s", r, exc)
+            return "invalid board"
         mine = [b for b in view["buckets"] if me in b["assigned"]]
         if not mine:
             return "no bucket"
@@ -187,6 +198,22 @@ class MaskedRound:
         if not await self._post("reveal", message):
             return "reveal refused"
         return "revealed"
+
+    async def _check_deal(self, view: dict[str, Any]) -> None:
+        """The buckets are the deal of the verified beacon over the sealed submitters."""
+        spec, base = self.spec, f"/v1/runs/{self.spec.run_id}/rounds/{self.r}"
+        fixed = (await self.client.get_json(f"{base}/beacon"))["beacon"]
+        if fixed is None:
+            raise RejectedInput("buckets were dealt before the beacon was fixed",
+                                "invalid_board")
+        seed = await asyncio.to_thread(verify_fixed_beacon, spec.validators, spec.quorum,
+                                       spec.run_id, self.r, fixed)
+        sealed = (await self.client.get_json(f"{base}/submissions"))["submissions"]
+        workers = [open_signed(wire, Submission).message.worker for wire in sealed]
+        masked = spec.masked
+        assert masked is not None
+        check_dealt(seed, workers, masked["bucket_size"],
+                    [b["assigned"] for b in view["buckets"]])
 
     async def open_if_challenged(self) -> None:
         """Post the opening if the round's challenges spot-check this worker."""

@@ -21,6 +21,8 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .errors import RejectedInput
+
 PHASES = ("keys", "deal", "masked", "reveal")
 _BUCKET_DOMAIN = b"veritrain/v1/secure/bucket"
 
@@ -52,6 +54,17 @@ def round_buckets(seed: bytes, workers: Sequence[str], size: int) -> list[list[s
         return []
     raw = [bytes.fromhex(w) for w in ids]
     return [[w.hex() for w in b] for b in deal_ranked(seed, raw, min(size, len(raw)))]
+
+
+def check_dealt(seed: bytes, sealed_workers: Sequence[str], size: int,
+                buckets: Sequence[Sequence[str]]) -> None:
+    """Refuse a board whose buckets are not :func:`round_buckets` of the beacon seed over
+    the sealed submitters (``invalid_board``). A ledger free to deal would put a victim
+    with colluding workers, whose own inputs then isolate the victim's in the sum."""
+    expected = round_buckets(seed, sealed_workers, size)
+    if [list(b) for b in buckets] != expected:
+        raise RejectedInput("the board's buckets are not the beacon's deal of the sealed "
+                            "submitters", "invalid_board")
 
 
 def bucket_dropouts(max_dropouts: int, members: int) -> int:

@@ -217,7 +217,7 @@ def test_masked_run_end_to_end_unmasks_buckets_through_a_dropout(tmp_path: Path)
     settings["schedule"]["max_rounds"] = 2
     settings["aggregator"]["params"].pop("bucket_size", None)
     settings["aggregator"]["masked"] = {"bucket_size": 4, "max_dropouts": 1,
-                                        "clip_norm": 100.0, "phase_seconds": 10.0}
+                                        "clip_norm": 100.0, "phase_seconds": 20.0}
     settings["verification"]["probe_examples"] = 0
     settings["verification"]["spot_checks_per_round"] = 1
     # All four in before a round seals: a worker that registers late would otherwise

@@ -6,7 +6,9 @@ still unmasks (three valid shares per secret), the free rider's masked input
 opens to its payload and is subtracted, the forger is blamed, and all three
 validators certify the same model, whose aggregate is the mean of the
 remaining masked inputs to within the fixed-point step. A second round setting
-loses more than t members and is dropped, with nobody revealing anything.
+loses more than t members and is dropped, with nobody revealing anything. A
+ledger that deals buckets other than the beacon's finds no worker advertising
+keys and no validator certifying, and the audit names the deal.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from veritrain.aggregation.secure import fixed_point_scale
 from veritrain.ledger.audit import fetch_events, verify_events
 from veritrain.protocol.client import LedgerClient
 from veritrain.protocol.codecs import ErrorFeedback
+from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.masked_worker import MaskedRound
 from veritrain.protocol.messages import Registration, sign
@@ -46,7 +49,7 @@ def masked_settings(bucket: int, dropouts: int, spot_checks: int) -> dict:
     settings = synthetic_settings()
     settings["aggregator"] = {"name": "centered_clip", "params": {"tau_rel": 1.0},
                               "masked": {"bucket_size": bucket, "max_dropouts": dropouts,
-                                         "clip_norm": CLIP, "phase_seconds": 2.0}}
+                                         "clip_norm": CLIP, "phase_seconds": 4.0}}
     settings["verification"]["probe_examples"] = 0
     settings["verification"]["spot_checks_per_round"] = spot_checks
     settings["verification"]["reveal_seconds"] = 5.0
@@ -99,7 +102,10 @@ def _masked_round(tmp_path, settings: dict, run_id: str, attacks: dict[int, str]
             info = await client.get_json(f"/v1/runs/{run_id}/rounds/0")
             await node.beacon_seed(client, run_id, 0)
             own_run = RunContext.build(bundle.signed.message, bundle.dataset)
-            return await node.validate_round(client, own_run, info)
+            try:
+                return await node.validate_round(client, own_run, info)
+            except RejectedInput as exc:  # a board it refuses to certify
+                return exc
 
     async def take_part(api: Api, i: int) -> str:
         attack = attacks.get(i) if attacks.get(i) != "free_rider" else None
@@ -188,3 +194,26 @@ def test_more_dropouts_than_t_drop_the_bucket_and_nothing_is_revealed(tmp_path):
     assert float(outcomes[0].aggregate.abs().max()) == 0.0
     assert all(torch.equal(o.new_flat, outcomes[0].new_flat) for o in outcomes)
     assert audit.ok, audit.problem
+
+
+def test_a_ledger_dealing_its_own_buckets_gets_no_keys_and_no_certificate(tmp_path,
+                                                                          monkeypatch):
+    import veritrain.ledger.secagg as ledger_secagg
+    from veritrain.protocol.secagg import round_buckets
+
+    def rigged(seed: bytes, workers, size: int) -> list[list[str]]:
+        """The beacon's deal with two members swapped across buckets: what a ledger
+        placing a victim among chosen workers would publish."""
+        fair = round_buckets(seed, workers, size)
+        fair[0][0], fair[1][0] = fair[1][0], fair[0][0]
+        return [sorted(b) for b in fair]
+
+    monkeypatch.setattr(ledger_secagg, "round_buckets", rigged)
+    workers, _, result = _masked_round(
+        tmp_path, masked_settings(2, 0, 0), "masked-rigged", {}, 4)
+    outcomes, ends, board, summary, _, audit = result
+    assert ends == ["invalid board"] * 4
+    assert [getattr(o, "reason", None) for o in outcomes] == ["invalid_board"] * V
+    assert summary["status"] == "closed"  # nobody certified it
+    assert board["posts"]["keys"] == []
+    assert not audit.ok and "deal" in audit.problem

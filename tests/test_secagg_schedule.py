@@ -15,12 +15,14 @@ import hashlib
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.secagg import (
     PHASES,
     BucketState,
     Phase,
     bucket_dropouts,
     bucket_rank,
+    check_dealt,
     open_phase,
     phase_schedule,
     round_buckets,
@@ -69,6 +71,31 @@ def test_round_buckets_partition_the_distinct_workers(n, size, seed, data):
         sizes = [len(b) for b in buckets]
         assert all(size <= s <= 2 * size - 1 for s in sizes)
         assert max(sizes) - min(sizes) <= 1  # dealt round-robin
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(4, 30), size=st.integers(2, 6), data=st.data())
+def test_check_dealt_takes_the_beacons_deal_and_nothing_else(n, size, data):
+    ws = workers(n)
+    fair = round_buckets(SEED, ws, size)
+    check_dealt(SEED, list(reversed(ws)), size, fair)
+    rigged = [list(b) for b in fair]
+    how = data.draw(st.sampled_from(["swap", "drop", "other_seed", "merge"]))
+    if how == "swap" and len(fair) >= 2:
+        rigged[0][0], rigged[1][0] = rigged[1][0], rigged[0][0]
+        rigged = [sorted(b) for b in rigged]
+    elif how == "drop":  # a sealed submitter left out of every bucket
+        rigged = round_buckets(SEED, ws[1:], size)
+    elif how == "merge" and len(fair) >= 2:
+        rigged = [sorted(rigged[0] + rigged[1]), *rigged[2:]]
+    else:
+        rigged = round_buckets(b"\x08" * 32, ws, size)
+    event(how)
+    if rigged == fair:  # a swap inside one bucket's order, or a seed dealing alike
+        return
+    with pytest.raises(RejectedInput) as err:
+        check_dealt(SEED, ws, size, rigged)
+    assert err.value.reason == "invalid_board"
 
 
 def test_round_buckets_deal_the_ranked_workers_round_robin():

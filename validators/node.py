@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from veritrain.protocol.beacon import beacon_root, beacon_seed_of, shard_check_root
+from veritrain.protocol.beacon import beacon_root, shard_check_root, verify_fixed_beacon
 from veritrain.protocol.challenges import max_reveal_bytes
 from veritrain.protocol.client import LedgerClient, LedgerRefused
 from veritrain.protocol.errors import RejectedInput
@@ -41,7 +41,7 @@ from veritrain.protocol.messages import (
     sign,
 )
 from veritrain.protocol.runtime import RunContext
-from veritrain.protocol.secagg import words_file_bytes
+from veritrain.protocol.secagg import check_dealt, words_file_bytes
 from veritrain.protocol.tensors import sha256_hex
 
 from .checks import Candidate
@@ -92,6 +92,7 @@ class ValidatorNode:
             log.info("validating run %s (%d parameters)", spec.run_id, run.numel)
             r = 0
             done = 0
+            refused: set[int] = set()  # rounds whose board this validator will not certify
             while max_rounds is None or done < max_rounds:
                 try:
                     info = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}")
@@ -115,12 +116,22 @@ class ValidatorNode:
                 if any(x["body"]["validator"] == self.me for x in results["results"]):
                     await asyncio.sleep(self.config.poll_seconds)
                     continue
+                if r in refused:
+                    await asyncio.sleep(self.config.poll_seconds)
+                    continue
                 try:
                     await self.validate_round(client, run, info)
                 except LedgerRefused as exc:
                     if exc.reason != "round_finalized":
                         raise
                     log.info("round %d was finalized without this validator: %s", r, exc.detail)
+                    continue
+                except RejectedInput as exc:
+                    if exc.reason != "invalid_board":
+                        raise
+                    log.error("round %d: not certifying a masked round the ledger dealt "
+                              "wrongly: %s", r, exc)
+                    refused.add(r)
                     continue
                 done += 1
 
@@ -132,7 +143,10 @@ class ValidatorNode:
         while reply["beacon"] is None:
             await asyncio.sleep(self.config.poll_seconds)
             reply = await client.get_json(path)
-        return bytes.fromhex(beacon_seed_of(reply["beacon"]))
+        # The seed picks the spot checks and the masked buckets: checked, not taken on trust.
+        spec = await fetch_run(client, run_id)
+        return await asyncio.to_thread(verify_fixed_beacon, spec.validators, spec.quorum,
+                                       run_id, r, reply["beacon"])
 
     async def gather_evidence(self, client: LedgerClient, run_id: str, r: int,
                               numel: int) -> dict[str, bytes]:
@@ -241,6 +255,10 @@ class ValidatorNode:
         spec, r = run.spec, info["round"]
         path = f"/v1/runs/{spec.run_id}/rounds/{r}/secagg"
         view = await client.get_json(path)
+        masked = spec.masked
+        assert masked is not None
+        check_dealt(seed, [c.signed.message.worker for c in candidates], masked["bucket_size"],
+                    [b["assigned"] for b in view["buckets"]])
         while not view["complete"]:
             await asyncio.sleep(self.config.poll_seconds)
             view = await client.get_json(path)

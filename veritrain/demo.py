@@ -199,7 +199,7 @@ def run_demo(args: argparse.Namespace) -> int:
             "max_dropouts": (args.masked_buckets + 1) // 2 - 1,
             # Round-0 updates of this preset have norm ~5.6: clip well above, so honest
             # updates pass unclipped and the fixed-point step is still ~1e-8.
-            "clip_norm": 20.0, "phase_seconds": 10.0}
+            "clip_norm": 20.0, "phase_seconds": 20.0}
         # Validators see only bucket sums: no probe filter, and the deterrent is the
         # opened half of the workers each round (spec E.2).
         settings["verification"]["probe_examples"] = 0
