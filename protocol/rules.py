@@ -39,7 +39,7 @@ class SubmissionContext:
     """What a checker knows about the round a submission claims to belong to."""
 
     spec: RunSpec
-    round: int
+    round: int  # the open round, -1 while none is open
     base_model_hash: str
     worker_registered: bool
     worker_banned: bool
@@ -66,9 +66,9 @@ def check_submission(signed: Signed[Submission], ctx: SubmissionContext) -> None
     if sub.run_id != spec.run_id:
         raise RejectedInput(f"submission is for run {sub.run_id!r}", "wrong_run")
     if sub.round != ctx.round:
-        raise RejectedInput(
-            f"submission is for round {sub.round}, the round is {ctx.round}", "wrong_round"
-        )
+        now = (f"the open round is {ctx.round}" if ctx.round >= 0
+               else "no round is open (the last one is closed and not yet finalized)")
+        raise RejectedInput(f"submission is for round {sub.round}; {now}", "wrong_round")
     if not ctx.worker_registered:
         raise RejectedInput("worker is not registered for this run", "unknown_worker")
     if ctx.worker_banned:
