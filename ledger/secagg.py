@@ -167,9 +167,10 @@ def _check_reveal(st: BucketState, msg: SecaggReveal) -> None:
 
 
 def accept_post(s: Session, spec: RunSpec, rnd: t.Round, kind: str, signed: Signed[Any],
-                now: float, *, opened: set[str] | None = None) -> Accepted:
+                now: float, *, opened: set[str] | None = None, store: bool = True) -> Accepted:
     """Store one board post; idempotent for an exact resend. ``opened``: the workers the
-    round's challenges spot-check (only they post an ``opening``)."""
+    round's challenges spot-check (only they post an ``opening``); ``store=False`` runs
+    every check and writes nothing (the reply says whether it would be new)."""
     msg = signed.message
     sender = getattr(msg, SENDER_FIELD[kind])
     if signed.signer != sender:
@@ -197,6 +198,8 @@ def accept_post(s: Session, spec: RunSpec, rnd: t.Round, kind: str, signed: Sign
                                 "malformed")
         elif kind == "reveal":
             _check_reveal(st, msg)
+    if not store:
+        return {"kind": kind, "already": False}, True
     s.add(t.SecaggMessage(run_id=spec.run_id, round=rnd.round, kind=kind, sender=sender,
                           bucket=msg.bucket, digest=signed.digest, body=signed.encode(),
                           received_at=now))

@@ -479,15 +479,14 @@ class LedgerStore:
             return reply
 
     def precheck_secagg(self, kind: str, signed: Signed[Any]) -> bool:
-        """``post_secagg``'s checks without storing anything (its transaction is rolled
-        back), so a masked input's words are streamed only for a post the board takes.
-        Raises the refusal; True for an exact resend (nothing left to store)."""
+        """``post_secagg``'s checks without storing anything, so a masked input's words
+        are streamed only for a post the board would take now (a phase that closes during
+        the upload still refuses it after). Raises the refusal; True for an exact resend."""
         msg = signed.message
         with self.sessions() as s:
             spec = self.get_spec(s, msg.run_id)
             rnd = self._round(s, msg.run_id, msg.round)
-            _, new = secagg.accept_post(s, spec, rnd, kind, signed, self.clock())
-            s.rollback()
+            _, new = secagg.accept_post(s, spec, rnd, kind, signed, self.clock(), store=False)
             return not new
 
     def round_secagg(self, s: Session, run_id: str, r: int,

@@ -71,17 +71,19 @@ def beacon_seed_of(fixed: bytes | dict) -> str:
 def verify_fixed_beacon(validators: Sequence[dict], quorum: int, run_id: str, round_index: int,
                         fixed: dict) -> bytes:
     """The seed of a fixed beacon after checking it, for a party that does not take the
-    ledger's word for it: ``signers`` a sorted quorum of distinct validator indices, one
-    share each, every share a valid BLS signature of the beacon root by its validator
+    ledger's word for it: ``signers`` exactly ``quorum`` distinct validator indices in
+    ascending order (the ledger fixes the first quorum to arrive), one share each, every share a valid BLS signature of the beacon root by its validator
     (a pairing check each, about 0.3 s in pure Python). RejectedInput otherwise."""
-    signers, shares = fixed.get("signers"), fixed.get("shares")
+    signers = fixed.get("signers") if isinstance(fixed, dict) else None
+    shares = fixed.get("shares") if isinstance(fixed, dict) else None
     if (not isinstance(signers, list) or not isinstance(shares, list)
-            or len(signers) != len(shares) or len(signers) < quorum
-            or signers != sorted(set(signers))
-            or any(not isinstance(k, int) or not 0 <= k < len(validators) for k in signers)):
+            or any(type(k) is not int or not 0 <= k < len(validators) for k in signers)
+            or any(not isinstance(x, str) for x in shares)
+            or len(signers) != len(shares) or len(signers) != quorum
+            or signers != sorted(set(signers))):
         raise RejectedInput("the beacon's signers are not a quorum of the validators",
                             "bad_signature")
-    key = (run_id, round_index, quorum, tuple(signers), tuple(map(str, shares)),
+    key = (run_id, round_index, quorum, tuple(signers), tuple(shares),
            tuple(validators[k]["bls"] for k in signers))
     with _VERIFY_LOCK:  # concurrent callers of one process wait for the first one's answer
         if (seed := _VERIFIED.get(key)) is not None:

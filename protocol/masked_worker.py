@@ -10,11 +10,12 @@ round's beacon to deal it into a bucket, then walks the board's phases:
             the dealers that dropped, never both for one dealer; and nothing at all
             when U is below the threshold (the sum would expose too few inputs)
 
-Before it advertises anything it checks the deal itself: the beacon's shares
-against the validators' BLS keys, and the buckets against the beacon's deal of
-the sealed submitters (:func:`check_dealt`), so a ledger cannot place it with
-colluding workers. Then, if the beacon spot-checks it, it posts its opening (self-mask seed and mask
-key) so validators can re-mask the update they recompute. The secrets live in
+Before it deals any share it checks the deal itself: the beacon's shares
+against the validators' BLS keys, its own submission in the sealed list, and the
+buckets against the beacon's deal of the sealed submitters (:func:`check_dealt`),
+so a ledger cannot rearrange the buckets to place it with colluding workers.
+Then, if the beacon spot-checks it, it posts its opening (self-mask seed and
+mask key) so validators can re-mask the update they recompute. The secrets live in
 memory only: a worker that restarts mid-round is a dropout, which the bucket
 survives up to its t.
 """
@@ -126,19 +127,22 @@ class MaskedRound:
         """Take part in the round's bucket with ``update``; returns how it ended."""
         spec, r, me = self.spec, self.r, self.me
         view = await self._view(lambda v: True)
+        # The deal's check (BLS pairings, ~0.3 s each) runs while the keys go out: fresh
+        # public keys reveal nothing, and no share is dealt before the check passed.
+        check = asyncio.create_task(self._check_deal(view))
         try:
-            await self._check_deal(view)
-        except RejectedInput as exc:
-            log.error("round %d: not taking part in this board: %s", r, exc)
-            return "invalid board"
-        mine = [b for b in view["buckets"] if me in b["assigned"]]
-        if not mine:
-            return "no bucket"
-        self.bucket = mine[0]["index"]
-        secrets = generate_secrets(bytes.fromhex(me))
-        if not await self._post("keys", keys_message(spec, r, self.bucket, secrets)):
-            return "keys refused"
-        view = await self._view(self._closed("keys"))
+            mine = [b for b in view["buckets"] if me in b["assigned"]]
+            if not mine:
+                return "no bucket" if await self._checked(check) else "invalid board"
+            self.bucket = mine[0]["index"]
+            secrets = generate_secrets(bytes.fromhex(me))
+            if not await self._post("keys", keys_message(spec, r, self.bucket, secrets)):
+                return "keys refused"
+            view = await self._view(self._closed("keys"))
+            if not await self._checked(check):
+                return "invalid board"
+        finally:
+            check.cancel()  # a no-op once it finished
         st = view["buckets"][0]
         if not st["live"] or me not in st["members"]:
             return "bucket did not form"
@@ -199,6 +203,15 @@ class MaskedRound:
             return "reveal refused"
         return "revealed"
 
+    async def _checked(self, check: asyncio.Task[None]) -> bool:
+        """Whether the deal's check passed (a failure is logged: this worker stops here)."""
+        try:
+            await check
+            return True
+        except RejectedInput as exc:
+            log.error("round %d: not taking part in this board: %s", self.r, exc)
+            return False
+
     async def _check_deal(self, view: dict[str, Any]) -> None:
         """The buckets are the deal of the verified beacon over the sealed submitters."""
         spec, base = self.spec, f"/v1/runs/{self.spec.run_id}/rounds/{self.r}"
@@ -210,6 +223,9 @@ class MaskedRound:
                                        spec.run_id, self.r, fixed)
         sealed = (await self.client.get_json(f"{base}/submissions"))["submissions"]
         workers = [open_signed(wire, Submission).message.worker for wire in sealed]
+        if self.me not in workers:  # it holds a receipt for its submission
+            raise RejectedInput("this worker's sealed submission is missing from the list",
+                                "invalid_board")
         masked = spec.masked
         assert masked is not None
         check_dealt(seed, workers, masked["bucket_size"],

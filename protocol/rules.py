@@ -67,7 +67,7 @@ def check_submission(signed: Signed[Submission], ctx: SubmissionContext) -> None
         raise RejectedInput(f"submission is for run {sub.run_id!r}", "wrong_run")
     if sub.round != ctx.round:
         now = (f"the open round is {ctx.round}" if ctx.round >= 0
-               else "no round is open (the last one is closed and not yet finalized)")
+               else "no round is open")
         raise RejectedInput(f"submission is for round {sub.round}; {now}", "wrong_round")
     if not ctx.worker_registered:
         raise RejectedInput("worker is not registered for this run", "unknown_worker")

@@ -25,7 +25,8 @@ def test_a_valid_quorum_gives_the_seed_of_its_shares():
 
 @pytest.mark.parametrize("tamper", ["flipped_share", "other_round", "swapped_signers",
                                     "too_few", "unsorted", "repeated", "out_of_range",
-                                    "not_hex", "count_mismatch"])
+                                    "not_hex", "count_mismatch", "too_many", "bool_index",
+                                    "mixed_types", "not_a_dict"])
 def test_a_beacon_the_ledger_made_up_is_refused(tamper: str):
     beacon = fixed([0, 1])
     if tamper == "flipped_share":
@@ -44,6 +45,14 @@ def test_a_beacon_the_ledger_made_up_is_refused(tamper: str):
         beacon = fixed([1, 1])
     elif tamper == "out_of_range":
         beacon["signers"][1] = 3
+    elif tamper == "too_many":  # the ledger fixes exactly the first quorum to arrive
+        beacon = fixed([0, 1, 2])
+    elif tamper == "bool_index":
+        beacon["signers"] = [False, True]
+    elif tamper == "mixed_types":
+        beacon["signers"] = [0, "1"]
+    elif tamper == "not_a_dict":
+        beacon = [beacon["signers"], beacon["shares"]]
     elif tamper == "not_hex":
         beacon["shares"][0] = "zz"
     else:

@@ -7,8 +7,8 @@ opens to its payload and is subtracted, the forger is blamed, and all three
 validators certify the same model, whose aggregate is the mean of the
 remaining masked inputs to within the fixed-point step. A second round setting
 loses more than t members and is dropped, with nobody revealing anything. A
-ledger that deals buckets other than the beacon's finds no worker advertising
-keys and no validator certifying, and the audit names the deal.
+ledger that deals buckets other than the beacon's finds no worker dealing
+shares and no validator certifying, and the audit names the deal.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _masked_round(tmp_path, settings: dict, run_id: str, attacks: dict[int, str]
                                              poll_seconds=0.05), ident)
         async with LedgerClient(api.url, retry_for=5.0) as client:
             info = await client.get_json(f"/v1/runs/{run_id}/rounds/0")
-            await node.beacon_seed(client, run_id, 0)
+            await node.beacon_seed(client, bundle.signed.message, 0)
             own_run = RunContext.build(bundle.signed.message, bundle.dataset)
             try:
                 return await node.validate_round(client, own_run, info)
@@ -196,7 +196,7 @@ def test_more_dropouts_than_t_drop_the_bucket_and_nothing_is_revealed(tmp_path):
     assert audit.ok, audit.problem
 
 
-def test_a_ledger_dealing_its_own_buckets_gets_no_keys_and_no_certificate(tmp_path,
+def test_a_ledger_dealing_its_own_buckets_gets_no_shares_and_no_certificate(tmp_path,
                                                                           monkeypatch):
     import veritrain.ledger.secagg as ledger_secagg
     from veritrain.protocol.secagg import round_buckets
@@ -215,5 +215,5 @@ def test_a_ledger_dealing_its_own_buckets_gets_no_keys_and_no_certificate(tmp_pa
     assert ends == ["invalid board"] * 4
     assert [getattr(o, "reason", None) for o in outcomes] == ["invalid_board"] * V
     assert summary["status"] == "closed"  # nobody certified it
-    assert board["posts"]["keys"] == []
+    assert board["posts"]["deal"] == []  # keys are public; no share was dealt
     assert not audit.ok and "deal" in audit.problem

@@ -182,7 +182,7 @@ def test_three_validators_catch_a_shifted_shard_and_certify_the_honest_model(tmp
             attack="shard_shift" if k == cheat else None), ident)
         async with LedgerClient(api.url, retry_for=5.0) as client:
             info = await client.get_json("/v1/runs/shard-run/rounds/0")
-            await node.beacon_seed(client, "shard-run", 0)
+            await node.beacon_seed(client, bundle.signed.message, 0)
             own_run = RunContext.build(bundle.signed.message, bundle.dataset)  # not thread-safe
             return await node.validate_round(client, own_run, info)
 

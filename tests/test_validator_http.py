@@ -17,6 +17,7 @@ from fakes import validator_identities
 from ledger_harness import Api, run_api
 from veritrain.protocol.client import LedgerClient
 from veritrain.protocol.codecs import ErrorFeedback
+from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import Registration, Submission, sign
 from veritrain.protocol.organiser import build_run
@@ -98,7 +99,7 @@ async def validate(api: Api, run: RunContext, validator: Identity, evidence: dic
     async with LedgerClient(api.url, retry_for=5.0) as client:
         info = await client.get_json(f"/v1/runs/{run.spec.run_id}/rounds/0")
         assert info["status"] == "closed"
-        await node.beacon_seed(client, run.spec.run_id, 0)
+        await node.beacon_seed(client, run.spec, 0)
         await reveal_all(api, run.spec.run_id, evidence)
         outcome = await node.validate_round(client, run, info)
     return outcome, (await api.get(f"/v1/runs/{run.spec.run_id}/rounds/0"))[1]
@@ -201,16 +202,49 @@ def test_beacon_waits_for_quorum_and_is_the_same_for_every_validator(tmp_path):
             nodes = [ValidatorNode(ValidatorConfig(ledger_url=api.url, run_id="beacon-run",
                                                    poll_seconds=0.05), v)
                      for v in run.validators]
-            first = asyncio.create_task(nodes[2].beacon_seed(client, "beacon-run", 0))
+            first = asyncio.create_task(nodes[2].beacon_seed(client, run.spec, 0))
             await asyncio.sleep(0.3)
             assert not first.done()  # one share is not a quorum
-            seeds.append(await nodes[0].beacon_seed(client, "beacon-run", 0))
+            seeds.append(await nodes[0].beacon_seed(client, run.spec, 0))
             seeds.append(await first)
-            seeds.append(await nodes[1].beacon_seed(client, "beacon-run", 0))
+            seeds.append(await nodes[1].beacon_seed(client, run.spec, 0))
         return seeds
 
     seeds = run_api(tmp_path, scenario)
     assert len(set(seeds)) == 1 and len(seeds[0]) == 32
+
+
+def test_a_validator_refuses_a_beacon_whose_shares_do_not_verify(tmp_path, monkeypatch):
+    """The seed picks the spot checks: a ledger serving a share of its own making (the
+    right size, no validator's signature) gets ``invalid_beacon``, not a seed."""
+    from fakes import make_fake_run, make_submission
+    from veritrain.ledger.store import LedgerStore
+
+    run = make_fake_run("forged-beacon", n_validators=1, quorum=1)
+    worker = Identity.generate("worker")
+    honest = LedgerStore.post_beacon_share
+
+    def forging(self, signed):
+        reply = honest(self, signed)
+        if reply["beacon"] is not None:
+            other = validator_identities(2)[1].sign_bls(b"any other root").hex()
+            reply = {"beacon": {**reply["beacon"], "shares": [other]}}
+        return reply
+
+    monkeypatch.setattr(LedgerStore, "post_beacon_share", forging)
+
+    async def scenario(api: Api):
+        await api.create_run(run)
+        await api.register(run, worker)
+        await api.submit(make_submission(run, worker, b"p" * 8), b"p" * 8)
+        async with LedgerClient(api.url, retry_for=5.0) as client:
+            node = ValidatorNode(ValidatorConfig(ledger_url=api.url, run_id="forged-beacon",
+                                                 poll_seconds=0.05), run.validators[0])
+            with pytest.raises(RejectedInput) as err:
+                await node.beacon_seed(client, run.spec, 0)
+        return err.value.reason
+
+    assert run_api(tmp_path, scenario) == "invalid_beacon"
 
 
 def test_worker_keeps_the_run_specs_share_of_its_residual():

@@ -31,6 +31,7 @@ from veritrain.protocol.messages import (
     CertifiedState,
     Registration,
     RoundResult,
+    RunSpec,
     ShardCheckShare,
     ShardFindingReport,
     ShardPublication,
@@ -127,15 +128,18 @@ class ValidatorNode:
                     log.info("round %d was finalized without this validator: %s", r, exc.detail)
                     continue
                 except RejectedInput as exc:
-                    if exc.reason != "invalid_board":
+                    if exc.reason not in ("invalid_board", "invalid_beacon"):
                         raise
-                    log.error("round %d: not certifying a masked round the ledger dealt "
-                              "wrongly: %s", r, exc)
+                    log.error("round %d: not certifying it: %s", r, exc)
                     refused.add(r)
                     continue
                 done += 1
 
-    async def beacon_seed(self, client: LedgerClient, run_id: str, r: int) -> bytes:
+    async def beacon_seed(self, client: LedgerClient, spec: RunSpec, r: int) -> bytes:
+        """Post this validator's share, wait for the fixed beacon and check it against the
+        run's validator keys (the spec this node started with, not one the ledger serves
+        now); ``invalid_beacon`` when it does not verify."""
+        run_id = spec.run_id
         share = BeaconShare(run_id=run_id, round=r, validator=self.me,
                             share=self.identity.sign_bls(beacon_root(run_id, r)).hex())
         path = f"/v1/runs/{run_id}/rounds/{r}/beacon"
@@ -144,9 +148,12 @@ class ValidatorNode:
             await asyncio.sleep(self.config.poll_seconds)
             reply = await client.get_json(path)
         # The seed picks the spot checks and the masked buckets: checked, not taken on trust.
-        spec = await fetch_run(client, run_id)
-        return await asyncio.to_thread(verify_fixed_beacon, spec.validators, spec.quorum,
-                                       run_id, r, reply["beacon"])
+        try:
+            return await asyncio.to_thread(verify_fixed_beacon, spec.validators, spec.quorum,
+                                           run_id, r, reply["beacon"])
+        except RejectedInput as exc:
+            raise RejectedInput(f"the ledger's beacon does not verify: {exc}",
+                                "invalid_beacon") from exc
 
     async def gather_evidence(self, client: LedgerClient, run_id: str, r: int,
                               numel: int) -> dict[str, bytes]:
@@ -174,7 +181,7 @@ class ValidatorNode:
         r = info["round"]
         started = time.monotonic()
         base_flat, outer = await fetch_base(client, run, info)
-        seed = await self.beacon_seed(client, spec.run_id, r)
+        seed = await self.beacon_seed(client, spec, r)
         sealed = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/submissions")
         parts = await client.get_json(f"/v1/runs/{spec.run_id}/participants")
         registered, banned = set(), set()
