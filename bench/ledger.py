@@ -51,7 +51,7 @@ from veritrain.ledger.ingest import Incoming, accept_batch, open_submissions
 from veritrain.ledger.scoring import compute_scores, split_rewards
 from veritrain.ledger.server import LedgerConfig, make_app
 from veritrain.ledger.store import LedgerStore
-from veritrain.protocol.beacon import beacon_root, beacon_seed_of
+from veritrain.protocol.beacon import beacon_root, beacon_seed_of, sealed_list_digest
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import (
     BeaconShare,
@@ -156,7 +156,8 @@ def finalize(store: LedgerStore, spec: RunSpec, validator: Identity, r: int,
              subs: list[tuple[str, str]]) -> None:
     """Beacon share and the validator's certified result (everyone honest)."""
     share = BeaconShare(run_id=RUN, round=r, validator=validator.public_key.hex(),
-                        share=validator.sign_bls(beacon_root(RUN, r)).hex())
+                        share=validator.sign_bls(beacon_root(RUN, r)).hex(),
+                        sealed=sealed_list_digest([d for _, d in subs]))
     seed = beacon_seed_of(store.post_beacon_share(sign(validator, share))["beacon"])
     subs = sorted(subs)
     verdicts = [{"worker": w, "submission_digest": d, "status": "accepted", "reason": "",

@@ -171,10 +171,13 @@ def _paths() -> dict[str, Any]:
                        multipart({"envelope": "signed Submission", "payload": "payload bytes"}),
                        tag="write")},
         rnd + "/beacon": {
-            "get": op("the round's fixed beacon, or null", [RUN, ROUND],
-                      {**ok(obj({"run_id": STR, "round": INT, "beacon": nullable(OBJ)})),
+            "get": op("the round's fixed beacon, or null, with its signers' signed shares "
+                      "(each names the sealed list its validator saw)", [RUN, ROUND],
+                      {**ok(obj({"run_id": STR, "round": INT, "beacon": nullable(OBJ),
+                                 "envelopes": arr(OBJ)})),
                        **problems(404)}),
-            "post": op("a validator's beacon share (after close; a replay changes nothing)",
+            "post": op("a validator's beacon share (after close, naming the round's sealed "
+                       "list; a replay changes nothing)",
                        [RUN, ROUND], {**ok(obj({"beacon": nullable(OBJ)})),
                                       **problems(401, 403, 404, 409, 413)},
                        json_body("signed BeaconShare"), tag="write")},

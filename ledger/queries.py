@@ -11,7 +11,7 @@ from veritrain.protocol.encoding import decode_canonical
 
 from . import schema as t
 from .export import events_with_checkpoints
-from .store import MAX_RESULT_BYTES, NotFound
+from .store import MAX_RESULT_BYTES, NotFound, beacon_envelopes
 
 MAX_PAGE = 1000
 
@@ -222,5 +222,7 @@ def beacon(s: Session, run_id: str, r: int) -> dict[str, Any]:
     rnd = s.get(t.Round, (run_id, r))
     if rnd is None:
         raise NotFound(f"run {run_id!r} has no round {r}")
-    return {"run_id": run_id, "round": r,
-            "beacon": decode_canonical(rnd.beacon) if rnd.beacon else None}
+    fixed = decode_canonical(rnd.beacon) if rnd.beacon else None
+    return {"run_id": run_id, "round": r, "beacon": fixed,
+            "envelopes": beacon_envelopes(s, run_id, r, fixed)}
+

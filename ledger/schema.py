@@ -93,6 +93,8 @@ class BeaconShareRow(Base):
     round: Mapped[int] = mapped_column(Integer)
     validator_index: Mapped[int] = mapped_column(Integer)
     share: Mapped[str] = mapped_column(String(192))
+    #: The signed BeaconShare (None for shares stored before migration 0007).
+    envelope: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
 
 
 class RoundResultRow(Base):

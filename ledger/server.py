@@ -83,6 +83,7 @@ STATUS_BY_REASON = {
     "not_sharded": 409,
     "wrong_shard": 403,
     "not_masked": 409,
+    "wrong_sealed_list": 409,
     "phase_closed": 409,
     "not_expected": 403,
     "wrong_bucket": 403,

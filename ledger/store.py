@@ -18,7 +18,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from veritrain.protocol import bls
-from veritrain.protocol.beacon import beacon_root, beacon_seed_of
+from veritrain.protocol.beacon import beacon_root, beacon_seed_of, sealed_list_digest
 from veritrain.protocol.encoding import decode_canonical, encode_canonical
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
@@ -94,6 +94,17 @@ class Certificate:
     def to_json(self) -> dict[str, Any]:
         return {"certified": self.certified, "signers": self.signers, "signature": self.signature}
 
+
+def beacon_envelopes(s: Session, run_id: str, r: int, fixed: dict[str, Any] | None
+                     ) -> list[Any]:
+    """The signed BeaconShares of a fixed beacon's signers, in signer order: each names
+    the sealed list its validator saw, so a reader need not take the ledger's list."""
+    if fixed is None:
+        return []
+    rows = {row.validator_index: row for row in s.execute(select(t.BeaconShareRow).where(
+        t.BeaconShareRow.run_id == run_id, t.BeaconShareRow.round == r)).scalars()}
+    return [decode_canonical(rows[k].envelope) for k in fixed["signers"]
+            if k in rows and rows[k].envelope is not None]
 
 class LedgerStore:
     def __init__(self, url: str, identity: Identity, clock: Callable[[], float] = time.time):
@@ -395,14 +406,21 @@ class LedgerStore:
             if not bls.verify(bytes.fromhex(spec.validators[idx]["bls"]),
                               beacon_root(msg.run_id, msg.round), bytes.fromhex(msg.share)):
                 raise RejectedInput("beacon share does not verify", "bad_signature")
+            sealed = sealed_list_digest(s.execute(select(t.Submission.digest).where(
+                t.Submission.run_id == msg.run_id, t.Submission.round == msg.round)).scalars())
+            if msg.sealed != sealed:
+                raise RejectedInput("the share names another sealed list than the round's",
+                                    "wrong_sealed_list")
             if rnd.beacon is not None:
-                return {"beacon": decode_canonical(rnd.beacon)}
+                fixed = decode_canonical(rnd.beacon)
+                return {"beacon": fixed,
+                        "envelopes": beacon_envelopes(s, msg.run_id, msg.round, fixed)}
             known = {row.validator_index for row in s.execute(select(t.BeaconShareRow).where(
                 t.BeaconShareRow.run_id == msg.run_id, t.BeaconShareRow.round == msg.round)
             ).scalars()}
             if idx not in known:
                 s.add(t.BeaconShareRow(run_id=msg.run_id, round=msg.round, validator_index=idx,
-                                       share=msg.share))
+                                       share=msg.share, envelope=signed.encode()))
                 self._append(s, msg.run_id, "beacon_share", signed.encode())
                 s.flush()
             rows = s.execute(select(t.BeaconShareRow).where(
@@ -429,7 +447,8 @@ class LedgerStore:
                                              self.clock())
                 self._ledger_event(s, msg.run_id, "secagg_started",
                                    {"run_id": msg.run_id, **started})
-            return {"beacon": beacon}
+            return {"beacon": beacon,
+                    "envelopes": beacon_envelopes(s, msg.run_id, msg.round, beacon)}
 
     # ----------------------------------------------------------------- sharded rounds
 

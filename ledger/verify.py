@@ -49,6 +49,7 @@ from veritrain.protocol.beacon import (
     beacon_root,
     beacon_seed_of,
     compute_beacon_seed,
+    sealed_list_digest,
     shard_check_root,
 )
 from veritrain.protocol.certificates import CERTIFICATE
@@ -869,6 +870,8 @@ class _Pass:
         rnd = self._round_of(share.round)
         if rnd.closed is None:
             raise Bad("beacon share before the round closed")
+        if share.sealed != sealed_list_digest(rnd.closed):
+            raise Bad("beacon share names another sealed list than the round's")
         if self.full:
             self.jobs.append((i, "share", {"bls": self._need_spec().validators[idx]["bls"]}))
 

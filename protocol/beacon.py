@@ -18,9 +18,12 @@ import hashlib
 import json
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from . import bls
+from .encoding import encode_canonical
 from .errors import RejectedInput
+from .messages import BeaconShare, open_signed
 from .signing import compute_signing_root
 
 
@@ -52,6 +55,24 @@ def shard_check_body(result_digests: Sequence[bytes]) -> bytes:
     return h.digest()
 
 
+def sealed_list_digest(submission_digests: Sequence[str]) -> str:
+    """sha256 (hex) of a round's sealed list: its submission digests (hex), sorted, each
+    length-prefixed, after the tag "veritrain/v1/sealed-list". Validators sign it into
+    their ``BeaconShare``, so a list changed after the seed is known contradicts them."""
+    h = hashlib.sha256(b"veritrain/v1/sealed-list")
+    for d in sorted(submission_digests):
+        raw = d.encode()
+        h.update(len(raw).to_bytes(4, "big") + raw)
+    return h.hexdigest()
+
+
+def sealed_list_digest_of(envelopes: Sequence[Any]) -> str:
+    """``sealed_list_digest`` of a served sealed list (signed Submission wires): each
+    submission's digest is sha256 of its canonical encoding, as the ledger records it."""
+    return sealed_list_digest([hashlib.sha256(encode_canonical(w)).hexdigest()
+                               for w in envelopes])
+
+
 def compute_beacon_seed(shares_in_index_order: Sequence[bytes]) -> bytes:
     """32-byte seed from the quorum's beacon shares, ordered by validator index."""
     if not shares_in_index_order:
@@ -69,11 +90,14 @@ def beacon_seed_of(fixed: bytes | dict) -> str:
 
 
 def verify_fixed_beacon(validators: Sequence[dict], quorum: int, run_id: str, round_index: int,
-                        fixed: dict) -> bytes:
+                        fixed: dict, *, sealed: str, envelopes: Sequence[Any]) -> bytes:
     """The seed of a fixed beacon after checking it, for a party that does not take the
     ledger's word for it: ``signers`` exactly ``quorum`` distinct validator indices in
-    ascending order (the ledger fixes the first quorum to arrive), one share each, every share a valid BLS signature of the beacon root by its validator
-    (a pairing check each, about 0.3 s in pure Python). RejectedInput otherwise."""
+    ascending order (the ledger fixes the first quorum to arrive), one share each, each
+    share in its validator's signed ``BeaconShare`` (``envelopes``, signer order) naming
+    ``sealed`` (the digest of the sealed list this party was served), and every share a
+    valid BLS signature of the beacon root by its validator (a pairing check each,
+    about 0.3 s in pure Python). RejectedInput otherwise."""
     signers = fixed.get("signers") if isinstance(fixed, dict) else None
     shares = fixed.get("shares") if isinstance(fixed, dict) else None
     if (not isinstance(signers, list) or not isinstance(shares, list)
@@ -83,6 +107,18 @@ def verify_fixed_beacon(validators: Sequence[dict], quorum: int, run_id: str, ro
             or signers != sorted(set(signers))):
         raise RejectedInput("the beacon's signers are not a quorum of the validators",
                             "bad_signature")
+    if not isinstance(envelopes, (list, tuple)) or len(envelopes) != len(signers):
+        raise RejectedInput("one signed share per beacon signer", "bad_signature")
+    for k, share, wire in zip(signers, shares, envelopes, strict=True):
+        env = open_signed(wire, BeaconShare)  # its Ed25519 signature, domain beacon_share
+        msg = env.message
+        if (env.signer != validators[k]["ed25519"] or msg.validator != env.signer
+                or (msg.run_id, msg.round, msg.share) != (run_id, round_index, share)):
+            raise RejectedInput(f"validator {k}'s signed share does not match the beacon",
+                                "bad_signature")
+        if msg.sealed != sealed:
+            raise RejectedInput(f"validator {k} signed another sealed list than the one "
+                                "served here", "wrong_sealed_list")
     key = (run_id, round_index, quorum, tuple(signers), tuple(shares),
            tuple(validators[k]["bls"] for k in signers))
     with _VERIFY_LOCK:  # concurrent callers of one process wait for the first one's answer

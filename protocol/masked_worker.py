@@ -23,6 +23,7 @@ survives up to its t.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -42,7 +43,7 @@ from veritrain.aggregation.secure import (
     reveal_shares,
 )
 
-from .beacon import verify_fixed_beacon
+from .beacon import sealed_list_digest_of, verify_fixed_beacon
 from .client import LedgerClient, LedgerRefused
 from .errors import RejectedInput
 from .identity import Identity
@@ -215,13 +216,17 @@ class MaskedRound:
     async def _check_deal(self, view: dict[str, Any]) -> None:
         """The buckets are the deal of the verified beacon over the sealed submitters."""
         spec, base = self.spec, f"/v1/runs/{self.spec.run_id}/rounds/{self.r}"
-        fixed = (await self.client.get_json(f"{base}/beacon"))["beacon"]
-        if fixed is None:
+        beacon = await self.client.get_json(f"{base}/beacon")
+        if beacon["beacon"] is None:
             raise RejectedInput("buckets were dealt before the beacon was fixed",
                                 "invalid_board")
-        seed = await asyncio.to_thread(verify_fixed_beacon, spec.validators, spec.quorum,
-                                       spec.run_id, self.r, fixed)
         sealed = (await self.client.get_json(f"{base}/submissions"))["submissions"]
+        # The signers' envelopes name the list they saw before the seed existed: the
+        # list served here must be that one, so it was not chosen after the seed.
+        seed = await asyncio.to_thread(functools.partial(
+            verify_fixed_beacon, spec.validators, spec.quorum, spec.run_id, self.r,
+            beacon["beacon"], sealed=sealed_list_digest_of(sealed),
+            envelopes=beacon.get("envelopes")))
         workers = [open_signed(wire, Submission).message.worker for wire in sealed]
         if self.me not in workers:  # it holds a receipt for its submission
             raise RejectedInput("this worker's sealed submission is missing from the list",

@@ -501,19 +501,23 @@ class RoundResult(Message):
 
 @dataclass(frozen=True)
 class BeaconShare(Message):
-    """A validator's BLS signature over the round's beacon root, sent after the round closed."""
+    """A validator's BLS signature over the round's beacon root, sent after the round closed,
+    with the digest of the sealed list it saw (``sealed_list_digest``): the validator's
+    signed word that the list was fixed before anyone could know the seed."""
 
     KIND: ClassVar[str] = "beacon_share"
     run_id: str
     round: int
     validator: str
     share: str
+    sealed: str
 
     SCHEMA: ClassVar[dict[str, f.Checker]] = {
         "run_id": f.string(64, RUN_ID_PATTERN),
         "round": f.integer(0, MAX_ROUND),
         "validator": f.PUBKEY,
         "share": f.BLS_SIGNATURE,
+        "sealed": f.HASH,
     }
 
 

@@ -22,7 +22,7 @@ from veritrain.ledger.chain import (
     compute_event_hash,
 )
 from veritrain.ledger.store import LedgerStore
-from veritrain.protocol.beacon import beacon_seed_of
+from veritrain.protocol.beacon import beacon_seed_of, sealed_list_digest
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.rules import expected_samples
 
@@ -62,8 +62,10 @@ def finalize_round(store: LedgerStore, run: FakeRun, r: int, base: str,
                    quality: dict[str, float] | None = None) -> str:
     """Post beacon shares and a quorum of identical results for closed round ``r``."""
     spec = run.spec
+    sealed = sealed_list_digest([hashlib.sha256(e).hexdigest()
+                                 for e in store.sealed_submissions(spec.run_id, r)])
     for v in run.validators[: spec.quorum]:
-        store.post_beacon_share(beacon_share(run, v, r))
+        store.post_beacon_share(beacon_share(run, v, r, sealed))
     with store.sessions() as s:
         from veritrain.ledger import schema as t
 

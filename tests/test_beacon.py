@@ -4,49 +4,72 @@ from __future__ import annotations
 
 import pytest
 from fakes import validator_identities
-from veritrain.protocol.beacon import beacon_root, compute_beacon_seed, verify_fixed_beacon
+from veritrain.protocol.beacon import (
+    beacon_root,
+    compute_beacon_seed,
+    sealed_list_digest,
+    verify_fixed_beacon,
+)
 from veritrain.protocol.errors import RejectedInput
+from veritrain.protocol.messages import BeaconShare, sign
 
 RUN, ROUND = "beacon-check", 3
 VALIDATORS = validator_identities(3)
 KEYS = [{"ed25519": v.public.ed25519, "bls": v.public.bls} for v in VALIDATORS]
+SEALED = sealed_list_digest(["a" * 64, "b" * 64])
 
 
-def fixed(signers: list[int], *, round_index: int = ROUND) -> dict:
-    return {"signers": signers, "shares": [
-        VALIDATORS[k].sign_bls(beacon_root(RUN, round_index)).hex() for k in signers]}
+def fixed(signers: list[int], *, round_index: int = ROUND, sealed: str = SEALED
+          ) -> tuple[dict, list]:
+    shares = [VALIDATORS[k].sign_bls(beacon_root(RUN, round_index)).hex() for k in signers]
+    envelopes = [sign(VALIDATORS[k], BeaconShare(
+        run_id=RUN, round=round_index, validator=VALIDATORS[k].public_key.hex(), share=x,
+        sealed=sealed)).to_wire() for k, x in zip(signers, shares, strict=True)]
+    return {"signers": signers, "shares": shares}, envelopes
+
+
+def check(beacon: object, envelopes: object) -> bytes:
+    return verify_fixed_beacon(KEYS, 2, RUN, ROUND, beacon, sealed=SEALED,  # type: ignore[arg-type]
+                               envelopes=envelopes)  # type: ignore[arg-type]
 
 
 def test_a_valid_quorum_gives_the_seed_of_its_shares():
-    beacon = fixed([0, 2])
-    seed = verify_fixed_beacon(KEYS, 2, RUN, ROUND, beacon)
+    beacon, envelopes = fixed([0, 2])
+    seed = check(beacon, envelopes)
     assert seed == compute_beacon_seed([bytes.fromhex(x) for x in beacon["shares"]])
+
+
+def test_the_sealed_list_is_order_free_and_changes_with_any_entry():
+    assert sealed_list_digest(["b" * 64, "a" * 64]) == SEALED
+    assert sealed_list_digest(["a" * 64]) != SEALED
+    assert sealed_list_digest(["a" * 64, "c" * 64]) != SEALED
 
 
 @pytest.mark.parametrize("tamper", ["flipped_share", "other_round", "swapped_signers",
                                     "too_few", "unsorted", "repeated", "out_of_range",
                                     "not_hex", "count_mismatch", "too_many", "bool_index",
-                                    "mixed_types", "not_a_dict"])
+                                    "mixed_types", "not_a_dict", "no_envelopes",
+                                    "envelope_of_another_validator", "envelope_other_share"])
 def test_a_beacon_the_ledger_made_up_is_refused(tamper: str):
-    beacon = fixed([0, 1])
+    beacon, envelopes = fixed([0, 1])
     if tamper == "flipped_share":
         raw = bytearray(bytes.fromhex(beacon["shares"][1]))
         raw[-1] ^= 1
         beacon["shares"][1] = raw.hex()
     elif tamper == "other_round":  # genuine shares, of another round's root
-        beacon = fixed([0, 1], round_index=ROUND + 1)
+        beacon, envelopes = fixed([0, 1], round_index=ROUND + 1)
     elif tamper == "swapped_signers":
         beacon["shares"].reverse()
     elif tamper == "too_few":
-        beacon = fixed([1])
+        beacon, envelopes = fixed([1])
     elif tamper == "unsorted":
-        beacon = fixed([1, 0])
+        beacon, envelopes = fixed([1, 0])
     elif tamper == "repeated":
-        beacon = fixed([1, 1])
+        beacon, envelopes = fixed([1, 1])
     elif tamper == "out_of_range":
         beacon["signers"][1] = 3
     elif tamper == "too_many":  # the ledger fixes exactly the first quorum to arrive
-        beacon = fixed([0, 1, 2])
+        beacon, envelopes = fixed([0, 1, 2])
     elif tamper == "bool_index":
         beacon["signers"] = [False, True]
     elif tamper == "mixed_types":
@@ -55,8 +78,23 @@ def test_a_beacon_the_ledger_made_up_is_refused(tamper: str):
         beacon = [beacon["signers"], beacon["shares"]]
     elif tamper == "not_hex":
         beacon["shares"][0] = "zz"
+    elif tamper == "no_envelopes":
+        envelopes = []
+    elif tamper == "envelope_of_another_validator":
+        envelopes[1] = fixed([2])[1][0]
+    elif tamper == "envelope_other_share":
+        envelopes[0] = fixed([0], round_index=ROUND + 1)[1][0]
     else:
         beacon["shares"].append(beacon["shares"][0])
     with pytest.raises(RejectedInput) as err:
-        verify_fixed_beacon(KEYS, 2, RUN, ROUND, beacon)
+        check(beacon, envelopes)
     assert err.value.reason == "bad_signature"
+
+
+def test_validators_who_saw_another_sealed_list_expose_a_list_changed_after_the_seed():
+    """The ledger served its signers one list and this party another (say, without a
+    colluder's submission, to steer the deal once the seed was known)."""
+    beacon, envelopes = fixed([0, 1], sealed=sealed_list_digest(["a" * 64, "b" * 64, "c" * 64]))
+    with pytest.raises(RejectedInput) as err:
+        check(beacon, envelopes)
+    assert err.value.reason == "wrong_sealed_list"

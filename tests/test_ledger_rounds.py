@@ -6,7 +6,7 @@ import hashlib
 
 from fakes import FakeRun, make_fake_run, make_submission
 from ledger_harness import Api, run_api
-from veritrain.protocol.beacon import beacon_root, beacon_seed_of
+from veritrain.protocol.beacon import beacon_root, beacon_seed_of, sealed_list_digest_of
 from veritrain.protocol.certificates import verify_certificate
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import (
@@ -19,8 +19,10 @@ from veritrain.protocol.messages import (
 
 
 async def post_share(api: Api, run: FakeRun, v: Identity, r: int) -> dict:
+    sealed = sealed_list_digest_of(
+        (await api.get(f"/v1/runs/{run.spec.run_id}/rounds/{r}/submissions"))[1]["submissions"])
     share = BeaconShare(run_id=run.spec.run_id, round=r, validator=v.public_key.hex(),
-                        share=v.sign_bls(beacon_root(run.spec.run_id, r)).hex())
+                        share=v.sign_bls(beacon_root(run.spec.run_id, r)).hex(), sealed=sealed)
     status, body = await api.post_json(f"/v1/runs/{run.spec.run_id}/rounds/{r}/beacon",
                                        sign(v, share).to_wire())
     assert status == 200, body

@@ -27,7 +27,12 @@ from ledger_backends import make_fixture
 from ledger_harness import Api, run_api
 from veritrain.ledger import schema as t
 from veritrain.ledger.audit import fetch_events, verify_events
-from veritrain.protocol.beacon import beacon_root, beacon_seed_of, compute_beacon_seed
+from veritrain.protocol.beacon import (
+    beacon_root,
+    beacon_seed_of,
+    compute_beacon_seed,
+    sealed_list_digest_of,
+)
 from veritrain.protocol.client import LedgerClient
 from veritrain.protocol.encoding import decode_canonical
 from veritrain.protocol.identity import Identity
@@ -175,8 +180,10 @@ async def submit_envelope(api: Api, run: FakeRun, w: Identity) -> tuple[int, Any
 
 
 async def post_beacon(api: Api, run: FakeRun, v: Identity) -> tuple[int, Any]:
+    sealed = sealed_list_digest_of(
+        (await api.get(f"/v1/runs/{run.spec.run_id}/rounds/0/submissions"))[1]["submissions"])
     share = BeaconShare(run_id=run.spec.run_id, round=0, validator=pk(v),
-                        share=v.sign_bls(beacon_root(run.spec.run_id, 0)).hex())
+                        share=v.sign_bls(beacon_root(run.spec.run_id, 0)).hex(), sealed=sealed)
     return await api.post_json(f"/v1/runs/{run.spec.run_id}/rounds/0/beacon",
                                sign(v, share).to_wire())
 

@@ -16,7 +16,12 @@ from fakes import make_fake_run, make_submission
 from ledger_backends import make_fixture
 from ledger_harness import Api, run_api
 from veritrain.ledger.audit import fetch_events, verify_events
-from veritrain.protocol.beacon import beacon_root, compute_beacon_seed, shard_check_root
+from veritrain.protocol.beacon import (
+    beacon_root,
+    compute_beacon_seed,
+    sealed_list_digest_of,
+    shard_check_root,
+)
 from veritrain.protocol.client import LedgerClient
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import (
@@ -70,9 +75,11 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url):
         while (await api.get(f"/v1/runs/{RUN}/rounds/0"))[1]["status"] == "open":
             await asyncio.sleep(0.05)
         out = {"early": await post_result(api, v0, _publication(v0, 0, b"a"), b"a")}
+        sealed = sealed_list_digest_of(
+            (await api.get(f"/v1/runs/{RUN}/rounds/0/submissions"))[1]["submissions"])
         for v in (v0, v1):
             share = BeaconShare(run_id=RUN, round=0, validator=v.public_key.hex(),
-                                share=v.sign_bls(beacon_root(RUN, 0)).hex())
+                                share=v.sign_bls(beacon_root(RUN, 0)).hex(), sealed=sealed)
             await api.post_json(f"/v1/runs/{RUN}/rounds/0/beacon", sign(v, share).to_wire())
         pub0 = _publication(v0, 0, b"a")
         out["first"] = await post_result(api, v0, pub0, b"a")

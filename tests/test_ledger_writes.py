@@ -12,7 +12,7 @@ from ledger_harness import run_api
 from ledger_scenarios import HONEST, beacon_share, build_results
 from sqlalchemy import func, select
 from veritrain.ledger import schema as t
-from veritrain.protocol.beacon import beacon_seed_of
+from veritrain.protocol.beacon import beacon_seed_of, sealed_list_digest, sealed_list_digest_of
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import Registration, sign
 
@@ -121,12 +121,16 @@ def test_invalid_writes_unsigned_wrongly_signed_replayed_or_unregistered(tmp_pat
         assert counts(store) == closed
 
         # Beacon shares (after close): only the run's validators; a replay changes nothing.
-        share = beacon_share(run, validator, 0).to_wire()
+        sealed = sealed_list_digest_of(
+            (await api.get(path + "/rounds/0/submissions"))[1]["submissions"])
+        share = beacon_share(run, validator, 0, sealed).to_wire()
         bpath = path + "/rounds/0/beacon"
         for wire, reason in [(unsigned(share), "malformed"),
                              (resigned_by(share, stranger), "bad_signature"),
-                             (beacon_share(run, Identity.generate("validator"), 0).to_wire(),
-                              "unknown_validator")]:
+                             (beacon_share(run, Identity.generate("validator"), 0,
+                                           sealed).to_wire(), "unknown_validator"),
+                             (beacon_share(run, validator, 0, sealed_list_digest([])).to_wire(),
+                              "wrong_sealed_list")]:
             got = await api.post_json(bpath, wire)
             assert got[1]["reason"] == reason, got
         fixed = await api.post_json(bpath, share)

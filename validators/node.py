@@ -13,6 +13,7 @@ from the ledger and carries on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -20,7 +21,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from veritrain.protocol.beacon import beacon_root, shard_check_root, verify_fixed_beacon
+from veritrain.protocol.beacon import (
+    beacon_root,
+    sealed_list_digest_of,
+    shard_check_root,
+    verify_fixed_beacon,
+)
 from veritrain.protocol.challenges import max_reveal_bytes
 from veritrain.protocol.client import LedgerClient, LedgerRefused
 from veritrain.protocol.errors import RejectedInput
@@ -135,22 +141,29 @@ class ValidatorNode:
                     continue
                 done += 1
 
-    async def beacon_seed(self, client: LedgerClient, spec: RunSpec, r: int) -> bytes:
+    async def beacon_seed(self, client: LedgerClient, spec: RunSpec, r: int,
+                          sealed: list[Any] | None = None) -> bytes:
         """Post this validator's share, wait for the fixed beacon and check it against the
         run's validator keys (the spec this node started with, not one the ledger serves
         now); ``invalid_beacon`` when it does not verify."""
         run_id = spec.run_id
+        base = f"/v1/runs/{run_id}/rounds/{r}"
+        if sealed is None:
+            sealed = (await client.get_json(f"{base}/submissions"))["submissions"]
+        digest = sealed_list_digest_of(sealed)
         share = BeaconShare(run_id=run_id, round=r, validator=self.me,
-                            share=self.identity.sign_bls(beacon_root(run_id, r)).hex())
-        path = f"/v1/runs/{run_id}/rounds/{r}/beacon"
-        reply = await client.post_message(path, sign(self.identity, share).to_wire())
+                            share=self.identity.sign_bls(beacon_root(run_id, r)).hex(),
+                            sealed=digest)
+        reply = await client.post_message(f"{base}/beacon", sign(self.identity, share).to_wire())
         while reply["beacon"] is None:
             await asyncio.sleep(self.config.poll_seconds)
-            reply = await client.get_json(path)
+            reply = await client.get_json(f"{base}/beacon")
         # The seed picks the spot checks and the masked buckets: checked, not taken on trust.
         try:
-            return await asyncio.to_thread(verify_fixed_beacon, spec.validators, spec.quorum,
-                                           run_id, r, reply["beacon"])
+            return await asyncio.to_thread(
+                functools.partial(verify_fixed_beacon, spec.validators, spec.quorum, run_id, r,
+                                  reply["beacon"], sealed=digest,
+                                  envelopes=reply.get("envelopes")))
         except RejectedInput as exc:
             raise RejectedInput(f"the ledger's beacon does not verify: {exc}",
                                 "invalid_beacon") from exc
@@ -181,8 +194,9 @@ class ValidatorNode:
         r = info["round"]
         started = time.monotonic()
         base_flat, outer = await fetch_base(client, run, info)
-        seed = await self.beacon_seed(client, spec, r)
+        # One sealed list for the share, the candidates and the buckets: the one signed.
         sealed = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/submissions")
+        seed = await self.beacon_seed(client, spec, r, sealed["submissions"])
         parts = await client.get_json(f"/v1/runs/{spec.run_id}/participants")
         registered, banned = set(), set()
         for p in parts["participants"]:

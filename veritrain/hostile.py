@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 
 from veritrain.ledger.audit import fetch_events
-from veritrain.protocol.beacon import beacon_seed_of
+from veritrain.protocol.beacon import beacon_seed_of, sealed_list_digest
 from veritrain.protocol.client import LedgerClient
 from veritrain.protocol.encoding import encode_canonical
 from veritrain.protocol.identity import Identity
@@ -177,8 +177,8 @@ async def _setup(url: str) -> tuple[SyntheticRun, list[Identity], str, bytes]:
                 ("envelope", signed.encode(), "application/json"),
                 ("payload", payload, "application/octet-stream")])
             subs[w.public_key.hex()] = signed.digest
-        beacon = await c.post_message(f"/v1/runs/{RUN_ID}/rounds/0/beacon",
-                                      beacon_share(run, validator, 0).to_wire())
+        beacon = await c.post_message(f"/v1/runs/{RUN_ID}/rounds/0/beacon", beacon_share(
+            run, validator, 0, sealed_list_digest(list(subs.values()))).to_wire())
         results, blobs = build_results(run, 0, run.spec.genesis_model_hash,
                                        beacon_seed_of(beacon["beacon"]), subs,
                                        dict.fromkeys(subs, HONEST))

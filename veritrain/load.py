@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from veritrain.ledger.audit import fetch_events, verify_events
-from veritrain.protocol.beacon import beacon_seed_of
+from veritrain.protocol.beacon import beacon_seed_of, sealed_list_digest_of
 from veritrain.protocol.client import LedgerClient
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import Receipt, open_signed
@@ -168,7 +168,9 @@ async def _finalize(client: LedgerClient, run: SyntheticRun, r: int, base: str,
             raise TimeoutError(f"round {r} did not close with every submission in")
         await asyncio.sleep(0.1)
     validator = run.validators[0]
-    beacon = await client.post_message(path + "/beacon", beacon_share(run, validator, r).to_wire())
+    sealed = sealed_list_digest_of((await client.get_json(path + "/submissions"))["submissions"])
+    beacon = await client.post_message(path + "/beacon",
+                                       beacon_share(run, validator, r, sealed).to_wire())
     results, blobs = build_results(run, r, base, beacon_seed_of(beacon["beacon"]), subs,
                                    dict.fromkeys(subs, HONEST))
     await client.post_multipart(path + "/results", [

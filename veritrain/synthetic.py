@@ -96,11 +96,15 @@ def synthetic_submission(run: SyntheticRun, worker: Identity, payload: bytes, *,
     return sign(worker, Submission(**body))
 
 
-def beacon_share(run: SyntheticRun, validator: Identity, r: int) -> Signed[BeaconShare]:
+def beacon_share(run: SyntheticRun, validator: Identity, r: int, sealed: str
+                 ) -> Signed[BeaconShare]:
+    """``validator``'s share of round ``r``'s beacon, naming the sealed list digest
+    ``sealed`` (``sealed_list_digest`` of the round's submission digests)."""
     spec = run.spec
     return sign(validator, BeaconShare(run_id=spec.run_id, round=r,
                                        validator=validator.public_key.hex(),
-                                       share=validator.sign_bls(beacon_root(spec.run_id, r)).hex()))
+                                       share=validator.sign_bls(beacon_root(spec.run_id, r)).hex(),
+                                       sealed=sealed))
 
 
 def _verdict(worker: str, digest: str, kind: str) -> dict[str, Any]:
