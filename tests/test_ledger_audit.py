@@ -174,6 +174,23 @@ def test_invalid_history_rewritten_with_the_ledgers_own_key_is_caught():
     assert result.first_bad_seq == closed and "sealed list" in result.problem
 
 
+def test_invalid_beacon_share_naming_another_sealed_list_is_named():
+    """A share whose validator saw another list than the chain's sealed one: the list
+    was changed around the beacon (the ledger refuses such shares when posted)."""
+    from fakes import validator_identities
+    from veritrain.protocol.messages import BeaconShare, sign
+
+    db, identity = played()
+    rows = rows_of(db)
+    i = first(rows, "beacon_share")
+    wire = decode_canonical(rows[i].body)
+    signer = next(v for v in validator_identities(4) if v.public_key.hex() == wire["signer"])
+    resigned = sign(signer, BeaconShare(**{**wire["body"], "sealed": "ab" * 32}))
+    rows[i] = dataclasses.replace(rows[i], body=resigned.encode())
+    result = verify_events(rechain(rows, identity), identity.public_key)
+    assert result.first_bad_seq == i and "sealed list" in result.problem
+
+
 def test_invalid_forged_certificate_is_named_among_batched_ones():
     db, identity = played()
     rows = rows_of(db)
