@@ -178,7 +178,8 @@ def _paths() -> dict[str, Any]:
                        **problems(404)}),
             "post": op("a validator's beacon share (after close, naming the round's sealed "
                        "list; a replay changes nothing)",
-                       [RUN, ROUND], {**ok(obj({"beacon": nullable(OBJ)})),
+                       [RUN, ROUND], {**ok(obj({"beacon": nullable(OBJ)},
+                                               {"shares": INT, "envelopes": arr(OBJ)})),
                                       **problems(401, 403, 404, 409, 413)},
                        json_body("signed BeaconShare"), tag="write")},
         rnd + "/results": {

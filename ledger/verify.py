@@ -682,6 +682,8 @@ class _Round:
     base: str
     submissions: dict[str, int] = field(default_factory=dict)  # digest -> row index
     closed: list[str] | None = None
+    sealed: str | None = None  # sealed_list_digest(closed), once closed
+    shares: dict[int, str] = field(default_factory=dict)  # validator -> its logged BLS share
     beacon_seed: str | None = None
     results: list[_Result] = field(default_factory=list)
     shard_results: list[str | None] | None = None  # result digests by shard, once published
@@ -870,8 +872,9 @@ class _Pass:
         rnd = self._round_of(share.round)
         if rnd.closed is None:
             raise Bad("beacon share before the round closed")
-        if share.sealed != sealed_list_digest(rnd.closed):
+        if share.sealed != rnd.sealed:
             raise Bad("beacon share names another sealed list than the round's")
+        rnd.shares.setdefault(idx, share.share)
         if self.full:
             self.jobs.append((i, "share", {"bls": self._need_spec().validators[idx]["bls"]}))
 
@@ -1026,14 +1029,17 @@ class _Pass:
         if not same:
             raise Bad("sealed list differs from the submissions recorded in the round")
         rnd.closed = listed
+        rnd.sealed = sealed_list_digest(listed)
 
     def _rec_beacon_fixed(self, i: int, body: dict[str, Any]) -> None:
         rnd = self._round_of(body["round"])
         spec = self._need_spec()
         signers = body["signers"]
-        if len(set(signers)) != len(signers) or len(signers) < spec.quorum or signers != sorted(
+        if len(set(signers)) != len(signers) or len(signers) != spec.quorum or signers != sorted(
                 signers) or any(not 0 <= k < len(spec.validators) for k in signers):
             raise Bad("beacon signers are not a quorum of the validator set")
+        if [rnd.shares.get(k) for k in signers] != list(body["shares"]):
+            raise Bad("beacon shares are not the signers' logged beacon_share rows")
         rnd.beacon_seed = beacon_seed_of({"shares": body["shares"]})
 
     def _rec_round_finalized(self, i: int, body: dict[str, Any]) -> None:

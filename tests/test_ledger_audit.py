@@ -191,6 +191,19 @@ def test_invalid_beacon_share_naming_another_sealed_list_is_named():
     assert result.first_bad_seq == i and "sealed list" in result.problem
 
 
+def test_invalid_beacon_fixed_without_its_signers_logged_shares_is_named():
+    """A ledger that leaves a signer's beacon_share out of the chain (so the audit would
+    never see which list that validator named) cannot fix a beacon from it."""
+    db, identity = played()
+    rows = rows_of(db)
+    i = first(rows, "beacon_share")
+    fixed = first(rows, "beacon_fixed")
+    rows = rows[:i] + rows[i + 1:]
+    rows = [dataclasses.replace(r, seq=k) for k, r in enumerate(rows)]
+    result = verify_events(rechain(rows, identity), identity.public_key)
+    assert result.first_bad_seq == fixed - 1 and "logged beacon_share" in result.problem
+
+
 def test_invalid_forged_certificate_is_named_among_batched_ones():
     db, identity = played()
     rows = rows_of(db)
