@@ -46,6 +46,23 @@ async def _wait(url: str, run_id: str, timeout: float) -> dict:
     raise TimeoutError("run did not finish")
 
 
+def start_nodes(procs: LocalProcesses, tmp_path: Path, url: str, run_id: str,
+                nodes: dict[str, list[str]]) -> None:
+    """Start one ``veritrain`` process per node (``{name: [role, extra args...]}``, key
+    file ``name.key``, a worker's state in ``state/name``) and wait until each waits for
+    the run: every worker then registers before it exists and takes part from round 0."""
+    for name, (role, *extra) in nodes.items():
+        args = [role, "--ledger", url, "--key", str(tmp_path / f"{name}.key"), "--run", run_id]
+        if role == "worker":
+            args += ["--no-progress", "--state-dir", str(tmp_path / "state" / name)]
+        procs.start(name, [*args, *extra])
+    deadline = time.monotonic() + 300
+    while not all("waiting for run" in (tmp_path / "logs" / f"{n}.log").read_text()
+                  for n in nodes):
+        assert time.monotonic() < deadline, "nodes did not start"
+        time.sleep(0.2)
+
+
 def test_tiny_run_end_to_end_with_cheaters(tmp_path: Path):
     keys = {}
     for name, role in [("validator", "validator"), ("honest-0", "worker"),
@@ -62,23 +79,10 @@ def test_tiny_run_end_to_end_with_cheaters(tmp_path: Path):
     procs = LocalProcesses(tmp_path / "logs")
     try:
         url = procs.start_ledger(tmp_path / "ledger")
-        procs.start("validator", ["validator", "--ledger", url, "--key",
-                                  str(tmp_path / "validator.key"), "--run", "e2e"])
-        names = ["honest-0", "honest-1", "free_rider", "sign_flip"]
-        for name in names:
-            args = ["worker", "--ledger", url, "--key", str(tmp_path / f"{name}.key"),
-                    "--run", "e2e", "--no-progress", "--state-dir",
-                    str(tmp_path / "state" / name)]
-            if name in ("free_rider", "sign_flip"):
-                args += ["--attack", name]
-            procs.start(name, args)
-        # Every node is up and waiting for the run before it exists, so all four
-        # workers register together and take part from round 0.
-        deadline = time.monotonic() + 300
-        while not all("waiting for run" in (tmp_path / "logs" / f"{n}.log").read_text()
-                      for n in [*names, "validator"]):
-            assert time.monotonic() < deadline, "nodes did not start"
-            time.sleep(0.2)
+        start_nodes(procs, tmp_path, url, "e2e", {
+            "validator": ["validator"], "honest-0": ["worker"], "honest-1": ["worker"],
+            "free_rider": ["worker", "--attack", "free_rider"],
+            "sign_flip": ["worker", "--attack", "sign_flip"]})
         asyncio.run(publish_run(url, bundle))
         out = asyncio.run(_wait(url, "e2e", timeout=420))
         # Anyone can re-run the sign flipper's recorded check from the stored evidence.
@@ -162,20 +166,10 @@ def test_sharded_run_end_to_end_catches_a_validator_that_shifts_its_shard(tmp_pa
     procs = LocalProcesses(tmp_path / "logs")
     try:
         url = procs.start_ledger(tmp_path / "ledger")
-        for i in range(3):
-            procs.start(f"validator-{i}", [
-                "validator", "--ledger", url, "--key", str(tmp_path / f"validator-{i}.key"),
-                "--run", "e2e-shards", *(["--attack", "shard_shift"] if i == 2 else [])])
-        for i in range(3):
-            procs.start(f"worker-{i}", [
-                "worker", "--ledger", url, "--key", str(tmp_path / f"worker-{i}.key"),
-                "--run", "e2e-shards", "--no-progress", "--state-dir",
-                str(tmp_path / "state" / str(i))])
-        deadline = time.monotonic() + 300
-        while not all("waiting for run" in p.read_text()
-                      for p in (tmp_path / "logs").glob("*-*.log")):
-            assert time.monotonic() < deadline, "nodes did not start"
-            time.sleep(0.2)
+        start_nodes(procs, tmp_path, url, "e2e-shards", {
+            **{f"validator-{i}": ["validator", *(["--attack", "shard_shift"] if i == 2 else [])]
+               for i in range(3)},
+            **{f"worker-{i}": ["worker"] for i in range(3)}})
         asyncio.run(publish_run(url, bundle))
         out = asyncio.run(_wait(url, "e2e-shards", timeout=420))
 
@@ -229,21 +223,10 @@ def test_masked_run_end_to_end_unmasks_buckets_through_a_dropout(tmp_path: Path)
     procs = LocalProcesses(tmp_path / "logs")
     try:
         url = procs.start_ledger(tmp_path / "ledger")
-        for i in range(3):
-            procs.start(f"validator-{i}", [
-                "validator", "--ledger", url, "--key", str(tmp_path / f"validator-{i}.key"),
-                "--run", "e2e-masked"])
-        for i in range(4):
-            procs.start(f"worker-{i}", [
-                "worker", "--ledger", url, "--key", str(tmp_path / f"worker-{i}.key"),
-                "--run", "e2e-masked", "--no-progress", "--state-dir",
-                str(tmp_path / "state" / str(i)),
-                *(["--attack", "drop_after_deal"] if i == 3 else [])])
-        deadline = time.monotonic() + 300
-        while not all("waiting for run" in p.read_text()
-                      for p in (tmp_path / "logs").glob("*-*.log")):
-            assert time.monotonic() < deadline, "nodes did not start"
-            time.sleep(0.2)
+        start_nodes(procs, tmp_path, url, "e2e-masked", {
+            **{f"validator-{i}": ["validator"] for i in range(3)},
+            **{f"worker-{i}": ["worker", *(["--attack", "drop_after_deal"] if i == 3 else [])]
+               for i in range(4)}})
         asyncio.run(publish_run(url, bundle))
         out = asyncio.run(_wait(url, "e2e-masked", timeout=420))
 
