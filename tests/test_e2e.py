@@ -46,6 +46,13 @@ async def _wait(url: str, run_id: str, timeout: float) -> dict:
     raise TimeoutError("run did not finish")
 
 
+def key_files(tmp_path: Path, prefix: str, identities: list[Identity]) -> list[Identity]:
+    """Write ``prefix-i.key`` for each identity (the names ``start_nodes`` reads)."""
+    for i, ident in enumerate(identities):
+        write_key_file(tmp_path / f"{prefix}-{i}.key", ident)
+    return identities
+
+
 def start_nodes(procs: LocalProcesses, tmp_path: Path, url: str, run_id: str,
                 nodes: dict[str, list[str]]) -> None:
     """Start one ``veritrain`` process per node (``{name: [role, extra args...]}``, key
@@ -152,12 +159,8 @@ def test_sharded_run_end_to_end_catches_a_validator_that_shifts_its_shard(tmp_pa
     the fault, and every round is certified on the honest aggregate."""
     from fakes import validator_identities
 
-    validators = validator_identities(3)
-    for i, ident in enumerate(validators):
-        write_key_file(tmp_path / f"validator-{i}.key", ident)
-    workers = [Identity.generate("worker") for _ in range(3)]
-    for i, ident in enumerate(workers):
-        write_key_file(tmp_path / f"worker-{i}.key", ident)
+    validators = key_files(tmp_path, "validator", validator_identities(3))
+    key_files(tmp_path, "worker", [Identity.generate("worker") for _ in range(3)])
     settings = run_preset("tiny")
     settings["schedule"]["max_rounds"] = 2
     settings["aggregator"]["shards"] = 3
@@ -201,12 +204,8 @@ def test_masked_run_end_to_end_unmasks_buckets_through_a_dropout(tmp_path: Path)
     no payload of an unopened worker ever reaches the ledger, and the audit passes."""
     from fakes import validator_identities
 
-    validators = validator_identities(3)
-    for i, ident in enumerate(validators):
-        write_key_file(tmp_path / f"validator-{i}.key", ident)
-    workers = [Identity.generate("worker") for _ in range(4)]
-    for i, ident in enumerate(workers):
-        write_key_file(tmp_path / f"worker-{i}.key", ident)
+    validators = key_files(tmp_path, "validator", validator_identities(3))
+    workers = key_files(tmp_path, "worker", [Identity.generate("worker") for _ in range(4)])
     settings = run_preset("tiny")
     settings["schedule"]["max_rounds"] = 2
     settings["aggregator"]["params"].pop("bucket_size", None)
