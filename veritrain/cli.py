@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--shards", type=int,
                    help="split the aggregation into one coordinate shard per validator "
                    "(must equal the number of validators; centered_clip only)")
-    c.add_argument("--codec", help="payload codec name (default int8)")
+    c.add_argument("--codec", help="payload codec name (default int4)")
     c.add_argument("--codec-params", help="codec parameters as JSON, e.g. "
                    '\'{"rank": 8, "bits": 3, "layout": "model"}\' for lowrank')
     c.add_argument("--feedback-decay", type=float,
