@@ -28,7 +28,7 @@ The last line is the one the issue tracks::
 
     compression: default=<codec> ratio_vs_fp32=<R> loss_vs_uncompressed=<+x.x%> encode_decode_MBps=<M> bytes_vs_data_parallel=<1/x>
 
-Run: ``.venv/bin/python bench/compression.py [--numel N] [--repeats R] [--steps S] [--end-to-end]``
+Run: ``.venv/bin/python bench/compression.py [--numel N] [--repeats R] [--steps S] [--end-to-end [--seeds K] [--only LABELS]]``
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ CONFIGS: list[tuple[str, str, dict[str, object]]] = [
     ("bf16", "bf16", {}),
     ("int8 block64", "int8", {"block": 64}),
     ("int4 block64", "int4", {"block": 64}),
+    ("lloyd 3b block128", "lloyd", {"bits": 3, "block": 128}),
+    ("lloyd 2b block128", "lloyd", {"bits": 2, "block": 128}),
     ("topk 64/4096 1b", "topk", {"chunk": 4096, "k": 64, "value_bits": 1}),
     ("topk 64/4096 2b", "topk", {"chunk": 4096, "k": 64, "value_bits": 2}),
     ("topk 32/4096 1b", "topk", {"chunk": 4096, "k": 32, "value_bits": 1}),
@@ -183,6 +185,8 @@ def run_microbench(
 E2E_CODECS: list[tuple[str, str, dict[str, object]]] = [
     ("int8 block64", "int8", {"block": 64}),
     ("int4 block64", "int4", {"block": 64}),
+    ("lloyd 3b block128", "lloyd", {"bits": 3, "block": 128}),
+    ("lloyd 2b block128", "lloyd", {"bits": 2, "block": 128}),
     ("topk 64/4096 1b", "topk", {"chunk": 4096, "k": 64, "value_bits": 1}),
     ("topk+dct64 64/4096 1b", "topk", {"chunk": 4096, "k": 64, "value_bits": 1, "dct_block": 64}),
     ("cocktail 1/4 48 1b", "cocktail", {"chunk": 4096, "sample": 4, "k": 48, "value_bits": 1}),
@@ -347,6 +351,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, default=2, help="end to end: parallel runs")
     ap.add_argument("--seeds", type=int, default=1,
                     help="end to end: swarm seeds per codec (paired with fp32's)")
+    ap.add_argument("--only", default="",
+                    help="end to end: comma-separated labels of the codecs to train "
+                    "(default all; fp32 always runs)")
     args = ap.parse_args(argv)
     rows = run_microbench(numel=args.numel, repeats=args.repeats, steps=args.steps)
     print(
@@ -357,7 +364,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(format_table(rows))
     e2e = None
     if args.end_to_end:
-        e2e = run_end_to_end(E2E_CODECS, workers=args.workers, rounds=args.rounds,
+        chosen = E2E_CODECS
+        if args.only:
+            labels = [x.strip() for x in args.only.split(",") if x.strip()]
+            unknown = sorted(set(labels) - {lbl for lbl, _, _ in E2E_CODECS})
+            if unknown:
+                ap.error(f"--only: unknown labels {unknown}; known: "
+                         + ", ".join(lbl for lbl, _, _ in E2E_CODECS))
+            chosen = [c for c in E2E_CODECS if c[0] in labels]
+        e2e = run_end_to_end(chosen, workers=args.workers, rounds=args.rounds,
                              preset=args.preset, jobs=args.jobs, seeds=args.seeds)
         print(format_e2e(e2e))
     print(summary_line(rows, e2e))

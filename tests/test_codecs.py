@@ -63,6 +63,8 @@ ALL_LOSSY = [
     ("topk", {"chunk": 256, "k": 16, "value_bits": 3}),
     ("topk", {"chunk": 256, "k": 8, "value_bits": 2, "dct_block": 64}),
     ("cocktail", {"chunk": 512, "sample": 4, "k": 16, "value_bits": 4}),
+    ("lloyd", {"bits": 2, "block": 37}),
+    ("lloyd", {"bits": 4, "block": 128}),
 ]
 ALL = [("fp32", {}), *ALL_LOSSY]
 
@@ -144,6 +146,10 @@ GOLDEN = {
         "f8767373702028cd35b775e6aac72b734e2b4bf6f8cd66e0ea1291082c1bbf87",
         "5bab163cf72913908805bd854e4cb8bd8efc959859d4bc15c90d11eefecfcce5",
     ),
+    "lloyd": (
+        "1c6f699d18a4fd8a7600ddc0083e3ecd8e4c8f905f202f54c7e5088353c98429",
+        "22727514e24d5fe9cae5ec853f29ce9fc56be7827bdd517ad50f5009327f38a3",
+    ),
 }
 GOLDEN_CODECS = {
     "fp32": ("fp32", {}),
@@ -154,6 +160,7 @@ GOLDEN_CODECS = {
     "topk": ("topk", {}),
     "topk-dct": ("topk", {"chunk": 1024, "k": 16, "value_bits": 2, "dct_block": 256}),
     "cocktail": ("cocktail", {}),
+    "lloyd": ("lloyd", {}),
 }
 
 
@@ -425,7 +432,7 @@ def test_cocktail_payload_depends_on_seed() -> None:
 
 def test_registry_names_and_canonical_params() -> None:
     assert set(CODEC_NAMES) == {
-        "fp32", "fp16", "bf16", "int8", "int4", "topk", "cocktail", "lowrank"
+        "fp32", "fp16", "bf16", "int8", "int4", "topk", "cocktail", "lowrank", "lloyd"
     }
     assert DEFAULT_CODEC in CODEC_NAMES
     for name in CODEC_NAMES:
@@ -458,6 +465,9 @@ def test_registry_names_and_canonical_params() -> None:
         ("cocktail", {"chunk": 64, "sample": 64}, "at least 2"),
         ("cocktail", {"chunk": 64, "sample": 8, "k": 9}, "k must be"),
         ("fp32", {"block": 4}, "unknown params"),
+        ("lloyd", {"bits": 1}, "bits must be"),
+        ("lloyd", {"bits": 5}, "bits must be"),
+        ("lloyd", {"block": 0}, "block must be"),
     ],
 )
 def test_invalid_codec_params(name: str, params: dict[str, object], match: str) -> None:

@@ -15,6 +15,8 @@ LOSSY = [
     ("topk", {"chunk": 64, "k": 4, "value_bits": 1}),
     ("topk", {"chunk": 64, "k": 4, "value_bits": 2, "dct_block": 16}),
     ("cocktail", {"chunk": 64, "sample": 2, "k": 4, "value_bits": 4}),
+    ("lloyd", {"bits": 2, "block": 64}),
+    ("lloyd", {"bits": 3, "block": 128}),
 ]
 IDS = [f"{n}-{i}" for i, (n, _) in enumerate(LOSSY)]
 NUMEL = 4000

@@ -31,6 +31,7 @@ CASES = [
     ("topk", {"chunk": 100, "k": 7, "value_bits": 3}),
     ("topk", {"chunk": 64, "k": 6, "value_bits": 2, "dct_block": 32}),
     ("cocktail", {"chunk": 60, "sample": 4, "k": 5, "value_bits": 4}),
+    ("lloyd", {"bits": 3, "block": 16}),
     ("lowrank", {"layout": "12x9,5,7x20", "rank": 2, "bits": 3, "vec_block": 16}),
 ]
 IDS = [f"{n}-{i}" for i, (n, _) in enumerate(CASES)]
@@ -244,7 +245,7 @@ def test_invalid_non_finite_dense_values(name: str, bad: bytes) -> None:
 # -- blockwise -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "lloyd"])
 @pytest.mark.parametrize(
     ("scale_bits", "error"),
     [
@@ -260,6 +261,10 @@ def test_invalid_blockwise_scales(name: str, scale_bits: int, error: type[Except
     codec = get_codec(name, {"block": 4})
     payload = bytearray(codec.encode(torch.tensor([1.0, -2.0, 3.0, 4.0, 5.0])))
     struct.pack_into("<I", payload, HEADER_SIZE + 4, scale_bits)  # second block's scale
+    if name == "lloyd" and scale_bits == 0x7F7FFFFF:  # lloyd saturates instead
+        out = codec.decode(bytes(payload), 5)
+        assert float(out[4].abs()) == float(torch.finfo(torch.float32).max)
+        return
     with pytest.raises(error):
         codec.decode(bytes(payload), 5)
 
@@ -409,6 +414,18 @@ def test_bitpack_roundtrip(bits: int, data: st.DataObject) -> None:
 def test_bitpack_large_generic_path() -> None:
     arr = np.arange(200_000, dtype=np.int64) % 4093
     assert np.array_equal(unpack_bits(pack_bits(arr, 12), 12, arr.size), arr)
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6, 7])
+def test_bitpack_odd_widths_match_the_bit_by_bit_layout(bits: int) -> None:
+    """The eight-values-per-word path for widths below 8 lays bits out exactly as a
+    bit-by-bit packer does (value i at stream bits [i*bits, (i+1)*bits), LSB first)."""
+    arr = (np.arange(100_003, dtype=np.int64) * 2654435761 >> 7) % (1 << bits)
+    bitmat = (arr[:, None] >> np.arange(bits)) & 1
+    expected = np.packbits(bitmat.astype(np.uint8).reshape(-1), bitorder="little").tobytes()
+    assert pack_bits(arr.astype(np.uint8), bits) == expected
+    assert pack_bits(arr, bits) == expected
+    assert np.array_equal(unpack_bits(expected, bits, arr.size), arr)
 
 
 def test_invalid_bitpack_stream_length_and_padding() -> None:

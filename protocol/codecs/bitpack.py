@@ -50,6 +50,19 @@ def pack_bits(values: np.ndarray, bits: int) -> bytes:
         for s in range(1, per):
             out |= padded[s::per] << np.uint8(s * bits)
         return out.tobytes()
+    if bits < 8:  # eight values fill ``bits`` bytes: pack them in a little-endian uint64
+        groups = -(-v.size // 8)
+        wide = np.dtype("<u4") if bits <= 4 else np.dtype("<u8")
+        if v.size == groups * 8:
+            g = v.reshape(groups, 8)
+        else:
+            g = np.zeros((groups, 8), dtype=v.dtype)
+            g.reshape(-1)[: v.size] = v
+        acc = g[:, 0].astype(wide)
+        for k in range(1, 8):
+            acc |= g[:, k].astype(wide) << wide.type(k * bits)
+        out = acc.view(np.uint8).reshape(groups, wide.itemsize)[:, :bits].reshape(-1)
+        return out[: packed_size(v.size, bits)].tobytes()
     v32 = v.astype(np.uint32)
     shifts32 = np.arange(bits, dtype=np.uint32)
     parts = []
@@ -89,6 +102,18 @@ def unpack_bits(data: bytes | memoryview, bits: int, count: int) -> np.ndarray:
         for s in range(per):
             np.bitwise_and(raw >> np.uint8(s * bits), mask, out=vals[:, s])
         return vals.reshape(-1)[:count]
+    if bits < 8:
+        groups = -(-count // 8)
+        b8 = np.zeros((groups, 8), dtype=np.uint8)
+        flat = np.zeros(groups * bits, dtype=np.uint8)
+        flat[: raw.size] = raw
+        b8[:, :bits] = flat.reshape(groups, bits)
+        acc = b8.view("<u8").reshape(groups)
+        mask = np.uint64((1 << bits) - 1)
+        vals64 = np.empty((groups, 8), dtype=np.int64)
+        for k in range(8):
+            vals64[:, k] = (acc >> np.uint64(k * bits)) & mask
+        return vals64.reshape(-1)[:count]
     weights = np.left_shift(np.uint32(1), np.arange(bits, dtype=np.uint32))
     out = np.empty(count, dtype=np.int64)
     step_bytes = _SLICE * bits // 8

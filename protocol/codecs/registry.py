@@ -9,6 +9,7 @@ from .base import BaseCodec, Codec, ParamValue
 from .blockwise import Int4Codec, Int8Codec
 from .cocktail import CocktailCodec
 from .float import Bf16Codec, Fp16Codec, Fp32Codec
+from .lloyd import LloydCodec
 from .lowrank import LowRankCodec
 from .topk import TopKCodec
 
@@ -18,7 +19,7 @@ _CODECS: dict[str, type[BaseCodec]] = {
     cls.name: cls
     for cls in (
         Fp32Codec, Fp16Codec, Bf16Codec, Int8Codec, Int4Codec, TopKCodec, CocktailCodec,
-        LowRankCodec,
+        LowRankCodec, LloydCodec,
     )
 }
 
