@@ -8,6 +8,7 @@ from .blockwise import Int4Codec, Int8Codec
 from .cocktail import CocktailCodec
 from .error_feedback import ErrorFeedback
 from .float import Bf16Codec, Fp16Codec, Fp32Codec
+from .lloyd import LloydCodec
 from .lowrank import MODEL_LAYOUT, LowRankCodec, layout_for
 from .registry import CODEC_NAMES, DEFAULT_CODEC, DEFAULT_CODEC_PARAMS, default_codec, get_codec
 from .topk import TopKCodec
@@ -27,6 +28,7 @@ __all__ = [
     "Fp32Codec",
     "Int4Codec",
     "Int8Codec",
+    "LloydCodec",
     "MODEL_LAYOUT",
     "LowRankCodec",
     "OversizedPayloadError",
