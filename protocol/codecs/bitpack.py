@@ -50,7 +50,7 @@ def pack_bits(values: np.ndarray, bits: int) -> bytes:
         for s in range(1, per):
             out |= padded[s::per] << np.uint8(s * bits)
         return out.tobytes()
-    if bits < 8:  # eight values fill ``bits`` bytes: pack them in a little-endian uint64
+    if bits < 8:  # eight values fill ``bits`` bytes: or them into one little-endian word
         groups = -(-v.size // 8)
         wide = np.dtype("<u4") if bits <= 4 else np.dtype("<u8")
         if v.size == groups * 8:

@@ -22,26 +22,17 @@ from ..errors import PayloadError
 from .base import BaseCodec, ParamValue, check_f32_scales
 from .bitpack import pack_bits, packed_size, unpack_bits
 
-__all__ = ["BlockwiseCodec", "Int4Codec", "Int8Codec"]
+__all__ = ["BlockwiseCodec", "Int4Codec", "Int8Codec", "ScaledBlocksCodec"]
 
 MAX_BLOCK = 1 << 20
 
 
-class BlockwiseCodec(BaseCodec):
-    """Shared logic; subclasses fix ``bits`` and ``qmax``."""
+class ScaledBlocksCodec(BaseCodec):
+    """Body layout shared by codecs with one float32 scale per ``block`` values followed by
+    ``bits``-bit codes (int8, int4, lloyd)."""
 
     bits: int
-    qmax: int
-
-    def __init__(self, *, block: int = 64) -> None:
-        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_BLOCK:
-            raise ValueError(
-                f"{self.name}: block must be an int in [1, {MAX_BLOCK}], got {block!r}"
-            )
-        self.block = block
-
-    def params(self) -> dict[str, ParamValue]:
-        return {"block": self.block}
+    block: int
 
     def n_blocks(self, numel: int) -> int:
         return -(-numel // self.block)
@@ -57,6 +48,22 @@ class BlockwiseCodec(BaseCodec):
         padded = np.zeros(nb * self.block, dtype=values.dtype)
         padded[: values.size] = values
         return padded.reshape(nb, self.block)
+
+
+class BlockwiseCodec(ScaledBlocksCodec):
+    """Absmax codes; subclasses fix ``bits`` and ``qmax``."""
+
+    qmax: int
+
+    def __init__(self, *, block: int = 64) -> None:
+        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_BLOCK:
+            raise ValueError(
+                f"{self.name}: block must be an int in [1, {MAX_BLOCK}], got {block!r}"
+            )
+        self.block = block
+
+    def params(self) -> dict[str, ParamValue]:
+        return {"block": self.block}
 
     def _encode_body(self, x: torch.Tensor, seed: int) -> bytes:
         blocks = self._blocks(x.numpy())

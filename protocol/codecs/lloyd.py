@@ -25,9 +25,10 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
-from .base import BaseCodec, ParamValue, check_f32_scales
-from .bitpack import pack_bits, packed_size, unpack_bits
-from .blockwise import MAX_BLOCK
+from .base import ParamValue, check_f32_scales
+from .bitpack import pack_bits, unpack_bits
+from .blockwise import MAX_BLOCK, ScaledBlocksCodec
+from .sparse import pairwise_row_sums
 from .topk import check_int_param
 
 __all__ = ["LEVELS", "LloydCodec", "block_rms"]
@@ -42,18 +43,14 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 
 def block_rms(blocks: np.ndarray) -> np.ndarray:
-    """float32 ``sqrt(sum(x^2) / width)`` of each row: squares (exact) and sums in float64
-    by a fixed pairwise tree, so every machine gets the same bits."""
-    rows, width = blocks.shape
-    acc = np.zeros((rows, 1 << max(0, (width - 1).bit_length())), dtype=np.float64)
-    acc[:, :width] = blocks
-    acc *= acc
-    while acc.shape[1] > 1:
-        acc = acc[:, 0::2] + acc[:, 1::2]
-    return np.sqrt(acc[:, 0] / np.float64(width)).astype(np.float32)
+    """float32 ``sqrt(sum(x^2) / width)`` of each row: squares (exact) in float64, summed
+    by :func:`~.sparse.pairwise_row_sums`, so every machine gets the same bits."""
+    wide = blocks.astype(np.float64)
+    return np.sqrt(pairwise_row_sums(wide * wide) / np.float64(blocks.shape[1])).astype(
+        np.float32)
 
 
-class LloydCodec(BaseCodec):
+class LloydCodec(ScaledBlocksCodec):
     """Gaussian Lloyd-Max codes of ``bits`` bits, one float32 RMS scale per ``block``."""
 
     name = "lloyd"
@@ -69,18 +66,6 @@ class LloydCodec(BaseCodec):
 
     def params(self) -> dict[str, ParamValue]:
         return {"bits": self.bits, "block": self.block}
-
-    def n_blocks(self, numel: int) -> int:
-        return -(-numel // self.block)
-
-    def body_size(self, numel: int) -> int:
-        return 4 * self.n_blocks(numel) + packed_size(numel, self.bits)
-
-    def _blocks(self, values: np.ndarray) -> np.ndarray:
-        nb = self.n_blocks(values.size)
-        padded = np.zeros(nb * self.block, dtype=values.dtype)
-        padded[: values.size] = values
-        return padded.reshape(nb, self.block)
 
     def _encode_body(self, x: torch.Tensor, seed: int) -> bytes:
         blocks = self._blocks(x.numpy())

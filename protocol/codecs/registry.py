@@ -30,8 +30,8 @@ DEFAULT_CODEC = "int4"
 #: directions with error feedback its eval loss on the charlm bench run is within
 #: 1% of uncompressed on each of three swarm seeds after 10 rounds (-0.4% on
 #: average) and 2.6% below it after 30; lloyd at 3 bits (9.8x) ends 1.3% above it on
-#: average (up to 3.8%). No codec at >= 100x is yet: lowrank
-#: (110x) is the closest after 10 rounds (+3.5% to +4.7%) but falls behind over
+#: average (up to 3.8%). No codec at >= 100x is yet: lowrank (110x) is the closest
+#: after 10 rounds (+6.0% on average with feedback decay 0.5) but falls behind over
 #: longer runs (+19% after 30), the sparse ones lose far more (bench/compression.py).
 DEFAULT_CODEC_PARAMS: Mapping[str, ParamValue] = MappingProxyType({"block": 64})
 

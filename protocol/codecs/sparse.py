@@ -31,6 +31,7 @@ __all__ = [
     "index_bits",
     "level_scales",
     "ordered_mean",
+    "pairwise_row_sums",
     "quantize",
     "select_topk",
     "split_codes",
@@ -72,15 +73,21 @@ def select_topk(mag: torch.Tensor, k: int) -> torch.Tensor:
     return chosen
 
 
-def ordered_mean(values: np.ndarray) -> np.ndarray:
-    """Row means in float64 by a fixed pairwise tree, rounded to float32 (order-independent)."""
+def pairwise_row_sums(values: np.ndarray) -> np.ndarray:
+    """Row sums in float64 by a fixed pairwise tree (rows zero-padded to a power of two,
+    then ``acc[2i] + acc[2i+1]`` level by level): the same bits on every machine."""
     rows, k = values.shape
     width = 1 << max(0, (k - 1).bit_length())
     acc = np.zeros((rows, width), dtype=np.float64)
     acc[:, :k] = values
     while acc.shape[1] > 1:
         acc = acc[:, 0::2] + acc[:, 1::2]
-    return (acc[:, 0] / np.float64(k)).astype(np.float32)
+    return acc[:, 0]
+
+
+def ordered_mean(values: np.ndarray) -> np.ndarray:
+    """Row means in float64 by :func:`pairwise_row_sums`, rounded to float32."""
+    return (pairwise_row_sums(values) / np.float64(values.shape[1])).astype(np.float32)
 
 
 def quantize(values: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
