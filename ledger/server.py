@@ -415,6 +415,9 @@ async def post_shard_result(request: web.Request) -> web.Response:
         raise RejectedInput("only a validator of a sharded run publishes shard results",
                             "unknown_validator")
     limit = max_shard_file_bytes(spec.num_params, spec.shards)
+    resent = await ledger.write(ledger.store.precheck_shard_result, signed)
+    if resent is not None:
+        return web.json_response(resent, status=201)
     digest, size = await part_to_blob(request, reader, "result", limit, msg.result_hash)
     if size != msg.result_bytes:
         raise RejectedInput(f"result file is {size} bytes, the publication says "

@@ -88,8 +88,10 @@ def _sharded_round(spec: RunSpec, rnd: t.Round, what: str) -> None:
 
 
 def accept_result(s: Session, spec: RunSpec, idx: int, rnd: t.Round,
-                  signed: Signed[ShardPublication], now: float) -> Accepted:
-    """Store validator ``idx``'s shard result; idempotent for a resend."""
+                  signed: Signed[ShardPublication], now: float, *, store: bool = True
+                  ) -> Accepted:
+    """Store validator ``idx``'s shard result; idempotent for a resend. ``store=False``
+    runs the same checks and writes nothing (done before the result file is read)."""
     msg = signed.message
     _sharded_round(spec, rnd, "shard result")
     if msg.shard != idx:
@@ -104,7 +106,9 @@ def accept_result(s: Session, spec: RunSpec, idx: int, rnd: t.Round,
                             "duplicate")
     if _fixed(s, spec.run_id, rnd.round, "list_fixed") is not None:
         raise ShardListFixed(f"round {rnd.round}'s shard results are fixed; this one is late")
-    _add(s, spec.run_id, rnd.round, "result", idx, idx, msg.result_digest, signed.encode(), now)
+    if store:
+        _add(s, spec.run_id, rnd.round, "result", idx, idx, msg.result_digest, signed.encode(),
+             now)
     return {"shard": idx, "result_digest": msg.result_digest, "already": False}, True, []
 
 

@@ -467,6 +467,19 @@ class LedgerStore:
                 self._ledger_event(s, msg.run_id, kind, {"run_id": msg.run_id, **ev})
             return reply
 
+    def precheck_shard_result(self, signed: Signed[ShardPublication]) -> dict[str, Any] | None:
+        """``post_shard_result``'s checks without storing anything, so a result file is
+        streamed only for a publication the board would take now. Raises the refusal;
+        the stored reply for an exact resend, else None."""
+        msg = signed.message
+        with self.sessions() as s:
+            spec = self.get_spec(s, msg.run_id)
+            idx, rnd = self._closed_round_for_validator(s, spec, signed.signer, msg.validator,
+                                                        msg.round, "shard result")
+            reply, new, _ = shards.accept_result(s, spec, idx, rnd, signed, self.clock(),
+                                                 store=False)
+            return None if new else reply
+
     def post_shard_result(self, signed: Signed[ShardPublication]) -> dict[str, Any]:
         """A validator's shard result (its tensor file is stored already)."""
         return self._shard_post(signed, "shard result", shards.accept_result, "shard_result")

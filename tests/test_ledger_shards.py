@@ -2,7 +2,8 @@
 
 Only a run's validators post, each only its own shard; the first check share
 fixes the list (it must sign exactly the stored results), later results and
-shares over another list are refused, a quorum of shares fixes the check seed
+shares over another list are refused (before a result's file is read, so a
+refused one leaves no blob), a quorum of shares fixes the check seed
 as the beacon's rule does, a quorum of faulty findings marks the shard, and the
 audit of the chain verifies every new row.
 """
@@ -145,3 +146,8 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url):
     assert view["list"] == [out["view"]["results"][0]["body"]["result_digest"], None, None]
     assert out["audit"].ok, out["audit"].problem
     assert out["full"].ok, out["full"].problem
+    stored = {p.name for p in (tmp_path / "ledger").rglob("*") if p.is_file()}
+    assert hashlib.sha256(b"a").hexdigest() in stored
+    refused = {k: hashlib.sha256(blob).hexdigest() for k, blob in
+               (("other_digest", b"b"), ("wrong_shard", b"c"), ("late", b"f"))}
+    assert not set(refused.values()) & stored, "a refused result's file was kept"
