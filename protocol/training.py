@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -226,16 +227,14 @@ def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
 # --- determinism ----------------------------------------------------------------------
 
 
-@contextmanager
-def deterministic_mode(device: torch.device, enabled: bool = True) -> Iterator[None]:
-    """Deterministic kernels (and no TF32 on CUDA) inside the block; settings restored after.
+_DETERMINISTIC_LOCK = threading.Lock()
+#: Blocks inside :func:`deterministic_mode` now, and the settings the first one found.
+_deterministic_users = 0
+_settings_before: tuple[bool, ...] = ()
 
-    These are process-wide switches: run one training at a time per process.
-    """
-    if not enabled:
-        yield
-        return
-    prev = (
+
+def _torch_settings() -> tuple[bool, ...]:
+    return (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
         torch.backends.cuda.matmul.allow_tf32,
@@ -243,20 +242,43 @@ def deterministic_mode(device: torch.device, enabled: bool = True) -> Iterator[N
         torch.backends.cudnn.deterministic,
         torch.backends.cudnn.benchmark,
     )
-    torch.use_deterministic_algorithms(True)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False  # TF32 rounds inputs to 10 mantissa bits
-        torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False  # autotuning may pick different kernels per run
+
+
+@contextmanager
+def deterministic_mode(device: torch.device, enabled: bool = True) -> Iterator[None]:
+    """Deterministic kernels (and no TF32 on CUDA) inside the block.
+
+    These are process-wide switches, and nodes sharing a process (workers and validators
+    side by side, as the tests run them) enter blocks from several threads at once: blocks
+    are counted, the first saves the settings and the last one out restores them, so no
+    block leaves another running without them.
+    """
+    global _deterministic_users, _settings_before
+    if not enabled:
+        yield
+        return
+    with _DETERMINISTIC_LOCK:
+        if _deterministic_users == 0:
+            _settings_before = _torch_settings()
+        _deterministic_users += 1
+        torch.use_deterministic_algorithms(True)
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = False  # TF32 rounds inputs to 10 mantissa bits
+            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False  # autotuning may pick other kernels per run
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
-        torch.backends.cuda.matmul.allow_tf32 = prev[2]
-        torch.backends.cudnn.allow_tf32 = prev[3]
-        torch.backends.cudnn.deterministic = prev[4]
-        torch.backends.cudnn.benchmark = prev[5]
+        with _DETERMINISTIC_LOCK:
+            _deterministic_users -= 1
+            if _deterministic_users == 0:
+                prev = _settings_before
+                torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+                torch.backends.cuda.matmul.allow_tf32 = prev[2]
+                torch.backends.cudnn.allow_tf32 = prev[3]
+                torch.backends.cudnn.deterministic = prev[4]
+                torch.backends.cudnn.benchmark = prev[5]
 
 
 # --- the loop -------------------------------------------------------------------------

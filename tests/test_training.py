@@ -21,6 +21,7 @@ from veritrain.protocol.training import (
     InnerConfig,
     TrainingDivergedError,
     TrainingState,
+    deterministic_mode,
     evaluate,
     local_train,
     relative_distance,
@@ -338,3 +339,33 @@ def test_cuda_matches_cpu_within_tolerance(charlm) -> None:  # type: ignore[no-u
     assert relative_distance(gpu.delta, cpu.delta) < 1e-3
     seg = train_segment(task, ds, gpu.states[1], a[2:4], CFG, device="cuda")
     assert seg.hash() == gpu.trail[1]
+
+
+def test_deterministic_mode_stays_on_while_another_thread_is_inside() -> None:
+    """Two overlapping blocks in two threads: the first one out must not switch the
+    deterministic kernels off under the second; the last one out restores the setting."""
+    import threading
+
+    before = torch.are_deterministic_algorithms_enabled()
+    inside = threading.Barrier(2)
+    first_left = threading.Event()
+    seen: dict[str, bool] = {}
+
+    def short() -> None:
+        with deterministic_mode(torch.device("cpu")):
+            inside.wait()
+        first_left.set()
+
+    def long() -> None:
+        with deterministic_mode(torch.device("cpu")):
+            inside.wait()
+            first_left.wait(10)
+            seen["after_other_left"] = torch.are_deterministic_algorithms_enabled()
+
+    threads = [threading.Thread(target=short), threading.Thread(target=long)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20)
+    assert seen == {"after_other_left": True}
+    assert torch.are_deterministic_algorithms_enabled() == before
