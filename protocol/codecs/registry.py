@@ -29,10 +29,11 @@ DEFAULT_CODEC = "int4"
 #: Blockwise int4 with one scale per 64 values: 7.1x smaller than float32. In both
 #: directions with error feedback its eval loss on the charlm bench run is within
 #: 1% of uncompressed on each of three swarm seeds after 10 rounds (-0.4% on
-#: average) and 2.6% below it after 30; lloyd at 3 bits (9.8x) ends 1.3% above it on
-#: average (up to 3.8%). No codec at >= 100x is yet: lowrank (110x) is the closest
-#: after 10 rounds (+6.0% on average with feedback decay 0.5) but falls behind over
-#: longer runs (+19% after 30), the sparse ones lose far more (bench/compression.py).
+#: average), 2.6% below it after 30, and below it on three seeds with 16 workers x
+#: 20 rounds; lloyd at 3 bits (9.8x) ends 1.3% above it on average (up to 3.8%).
+#: No codec at >= 100x is yet: lowrank (110x) is the closest after 10 rounds (+6.0%
+#: on average with feedback decay 0.5) but falls behind over longer runs (+19% after
+#: 30, +14% with 16 workers x 20), the sparse ones lose far more (bench/compression.py).
 DEFAULT_CODEC_PARAMS: Mapping[str, ParamValue] = MappingProxyType({"block": 64})
 
 
