@@ -244,6 +244,14 @@ def _torch_settings() -> tuple[bool, ...]:
     )
 
 
+def _restore_torch_settings(prev: tuple[bool, ...]) -> None:
+    torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+    torch.backends.cuda.matmul.allow_tf32 = prev[2]
+    torch.backends.cudnn.allow_tf32 = prev[3]
+    torch.backends.cudnn.deterministic = prev[4]
+    torch.backends.cudnn.benchmark = prev[5]
+
+
 @contextmanager
 def deterministic_mode(device: torch.device, enabled: bool = True) -> Iterator[None]:
     """Deterministic kernels (and no TF32 on CUDA) inside the block.
@@ -258,27 +266,27 @@ def deterministic_mode(device: torch.device, enabled: bool = True) -> Iterator[N
         yield
         return
     with _DETERMINISTIC_LOCK:
-        if _deterministic_users == 0:
-            _settings_before = _torch_settings()
+        before = _torch_settings() if _deterministic_users == 0 else _settings_before
+        try:
+            torch.use_deterministic_algorithms(True)
+            if device.type == "cuda":
+                torch.backends.cuda.matmul.allow_tf32 = False  # TF32 rounds inputs to 10 bits
+                torch.backends.cudnn.allow_tf32 = False
+                torch.backends.cudnn.deterministic = True
+                torch.backends.cudnn.benchmark = False  # autotuning may pick other kernels
+        except BaseException:
+            if _deterministic_users == 0:
+                _restore_torch_settings(before)
+            raise
+        _settings_before = before
         _deterministic_users += 1
-        torch.use_deterministic_algorithms(True)
-        if device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = False  # TF32 rounds inputs to 10 mantissa bits
-            torch.backends.cudnn.allow_tf32 = False
-            torch.backends.cudnn.deterministic = True
-            torch.backends.cudnn.benchmark = False  # autotuning may pick other kernels per run
     try:
         yield
     finally:
         with _DETERMINISTIC_LOCK:
             _deterministic_users -= 1
             if _deterministic_users == 0:
-                prev = _settings_before
-                torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
-                torch.backends.cuda.matmul.allow_tf32 = prev[2]
-                torch.backends.cudnn.allow_tf32 = prev[3]
-                torch.backends.cudnn.deterministic = prev[4]
-                torch.backends.cudnn.benchmark = prev[5]
+                _restore_torch_settings(_settings_before)
 
 
 # --- the loop -------------------------------------------------------------------------

@@ -342,30 +342,36 @@ def test_cuda_matches_cpu_within_tolerance(charlm) -> None:  # type: ignore[no-u
 
 
 def test_deterministic_mode_stays_on_while_another_thread_is_inside() -> None:
-    """Two overlapping blocks in two threads: the first one out must not switch the
-    deterministic kernels off under the second; the last one out restores the setting."""
+    """Two overlapping blocks in two threads, the first in also the first out: it must not
+    switch the deterministic kernels off under the second; the last one out restores the
+    setting."""
     import threading
 
     before = torch.are_deterministic_algorithms_enabled()
-    inside = threading.Barrier(2)
+    first_in = threading.Event()
+    both_in = threading.Barrier(2, timeout=10)
     first_left = threading.Event()
     seen: dict[str, bool] = {}
 
-    def short() -> None:
+    def first() -> None:
         with deterministic_mode(torch.device("cpu")):
-            inside.wait()
+            first_in.set()
+            both_in.wait()
         first_left.set()
 
-    def long() -> None:
+    def second() -> None:
+        assert first_in.wait(10)
         with deterministic_mode(torch.device("cpu")):
-            inside.wait()
-            first_left.wait(10)
-            seen["after_other_left"] = torch.are_deterministic_algorithms_enabled()
+            both_in.wait()
+            assert first_left.wait(10)
+            seen["after_first_left"] = torch.are_deterministic_algorithms_enabled()
 
-    threads = [threading.Thread(target=short), threading.Thread(target=long)]
+    threads = [threading.Thread(target=first, daemon=True),
+               threading.Thread(target=second, daemon=True)]
     for th in threads:
         th.start()
     for th in threads:
-        th.join(20)
-    assert seen == {"after_other_left": True}
+        th.join(30)
+    assert not any(th.is_alive() for th in threads)
+    assert seen == {"after_first_left": True}
     assert torch.are_deterministic_algorithms_enabled() == before

@@ -33,7 +33,8 @@ DEFAULT_CODEC = "int4"
 #: 20 rounds; lloyd at 3 bits (9.8x) ends 1.3% above it on average (up to 3.8%).
 #: No codec at >= 100x is yet: lowrank (110x) is the closest after 10 rounds (+6.0%
 #: on average with feedback decay 0.5) but falls behind over longer runs (+19% after
-#: 30, +14% with 16 workers x 20), the sparse ones lose far more (bench/compression.py).
+#: 30, +14% with 16 workers x 20 rounds), the sparse ones lose far more
+#: (bench/compression.py).
 DEFAULT_CODEC_PARAMS: Mapping[str, ParamValue] = MappingProxyType({"block": 64})
 
 
