@@ -21,6 +21,7 @@ import torch
 from ..errors import PayloadError
 from .base import BaseCodec, ParamValue, check_f32_scales
 from .bitpack import pack_bits, packed_size, unpack_bits
+from .topk import check_int_param
 
 __all__ = ["BlockwiseCodec", "Int4Codec", "Int8Codec", "ScaledBlocksCodec"]
 
@@ -56,11 +57,7 @@ class BlockwiseCodec(ScaledBlocksCodec):
     qmax: int
 
     def __init__(self, *, block: int = 64) -> None:
-        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_BLOCK:
-            raise ValueError(
-                f"{self.name}: block must be an int in [1, {MAX_BLOCK}], got {block!r}"
-            )
-        self.block = block
+        self.block = check_int_param(self.name, "block", block, 1, MAX_BLOCK)
 
     def params(self) -> dict[str, ParamValue]:
         return {"block": self.block}
