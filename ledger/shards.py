@@ -90,8 +90,10 @@ def _sharded_round(spec: RunSpec, rnd: t.Round, what: str) -> None:
 def accept_result(s: Session, spec: RunSpec, idx: int, rnd: t.Round,
                   signed: Signed[ShardPublication], now: float, *, store: bool = True
                   ) -> Accepted:
-    """Store validator ``idx``'s shard result; idempotent for a resend. ``store=False``
-    runs the same checks and writes nothing (done before the result file is read)."""
+    """Store validator ``idx``'s shard result; idempotent for an exact resend (the same
+    signed bytes: another file or inputs digest under the same result is refused).
+    ``store=False`` runs the same checks and writes nothing (done before the result file
+    is read)."""
     msg = signed.message
     _sharded_round(spec, rnd, "shard result")
     if msg.shard != idx:
@@ -100,7 +102,7 @@ def accept_result(s: Session, spec: RunSpec, idx: int, rnd: t.Round,
     stored = [row for row in _rows(s, spec.run_id, rnd.round, "result")
               if row.validator_index == idx]
     if stored:
-        if stored[0].digest == msg.result_digest:
+        if stored[0].body == signed.encode():
             return {"shard": idx, "result_digest": msg.result_digest, "already": True}, False, []
         raise RejectedInput(f"validator {idx} already published another result",
                             "duplicate")

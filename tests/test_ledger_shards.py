@@ -86,6 +86,9 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url):
         out["first"] = await post_result(api, v0, pub0, b"a")
         out["again"] = await post_result(api, v0, pub0, b"a")
         out["other_digest"] = await post_result(api, v0, _publication(v0, 0, b"b"), b"b")
+        other_file = ShardPublication(**{**pub0.to_body(),
+                                         "result_hash": hashlib.sha256(b"z").hexdigest()})
+        out["other_file"] = await post_result(api, v0, other_file, b"z")
         out["wrong_shard"] = await post_result(api, v0, _publication(v0, 1, b"c"), b"c")
         out["stranger"] = await post_result(api, worker, _publication(worker, 1, b"d"), b"d")
         out["size_lie"] = await post_result(api, v1, _publication(v1, 1, b"e"), b"ee")
@@ -125,6 +128,7 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url):
     assert code["first"] == 201 and not out["first"][1]["already"]
     assert code["again"] == 201 and out["again"][1]["already"]
     assert (code["other_digest"], reason["other_digest"]) == (409, "duplicate")
+    assert (code["other_file"], reason["other_file"]) == (409, "duplicate")
     assert (code["wrong_shard"], reason["wrong_shard"]) == (403, "wrong_shard")
     assert code["stranger"] == 403
     assert code["size_lie"] == 400
@@ -149,5 +153,6 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url):
     stored = {p.name for p in (tmp_path / "ledger").rglob("*") if p.is_file()}
     assert hashlib.sha256(b"a").hexdigest() in stored
     refused = {k: hashlib.sha256(blob).hexdigest() for k, blob in
-               (("other_digest", b"b"), ("wrong_shard", b"c"), ("late", b"f"))}
+               (("other_digest", b"b"), ("other_file", b"z"), ("wrong_shard", b"c"),
+                ("late", b"f"))}
     assert not set(refused.values()) & stored, "a refused result's file was kept"
