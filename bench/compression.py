@@ -34,6 +34,7 @@ Run: ``.venv/bin/python bench/compression.py [--numel N] [--repeats R] [--steps 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -198,17 +199,19 @@ E2E_CODECS: list[tuple[str, str, dict[str, object]]] = [
 E2E_INNER: dict[str, dict[str, object]] = {"lowrank r6 4b decay.5": {"feedback_decay": 0.5}}
 
 
-def _e2e_run(job: tuple[str, str, dict[str, object], int, int, str, str]) -> dict[str, Any]:
+def _e2e_run(job: tuple[str, str, dict[str, object], int, int, str, str, dict[str, object]]
+             ) -> dict[str, Any]:
     """One swarm training run with one codec and swarm seed (in a worker process, one
-    torch thread)."""
+    torch thread); the last item overrides the preset's outer step."""
     from veritrain.protocol.presets import run_preset
 
     from veritrain.swarm import Swarm
 
-    label, name, params, workers, rounds, preset, seed = job
+    label, name, params, workers, rounds, preset, seed, outer = job
     torch.set_num_threads(1)
     settings = run_preset(preset)
     settings["codec"] = {"name": name, "params": dict(params)}
+    settings["outer"].update(outer)
     settings["inner"].update(E2E_INNER.get(label, {}))
     # Spot checks cost time and change nothing here: every worker is honest.
     settings["verification"].update(challenges_per_worker=0.0, always_last=False,
@@ -242,7 +245,8 @@ def e2e_seeds(count: int) -> list[str]:
 
 def run_end_to_end(codecs: Sequence[tuple[str, str, Mapping[str, object]]], *,
                    workers: int = 4, rounds: int = 10, preset: str = "bench",
-                   jobs: int = 2, seeds: int = 1) -> dict[str, Any]:
+                   jobs: int = 2, seeds: int = 1,
+                   outer: Mapping[str, object] | None = None) -> dict[str, Any]:
     """Eval loss after ``rounds`` rounds of the ``preset`` charlm swarm per codec, against
     fp32 payloads with the same seeds, and bytes per worker per round in each direction
     against data-parallel training of the same samples (a float32 gradient sent and an
@@ -256,7 +260,7 @@ def run_end_to_end(codecs: Sequence[tuple[str, str, Mapping[str, object]]], *,
     import multiprocessing as mp
 
     todo = [("fp32", "fp32", {}), *[(lbl, n, dict(p)) for lbl, n, p in codecs]]
-    jobs_list = [(lbl, n, p, workers, rounds, preset, seed)
+    jobs_list = [(lbl, n, p, workers, rounds, preset, seed, dict(outer or {}))
                  for lbl, n, p in todo for seed in e2e_seeds(seeds)]
     with mp.get_context("spawn").Pool(jobs) as pool:
         single = pool.map(_e2e_run, jobs_list)
@@ -280,7 +284,7 @@ def run_end_to_end(codecs: Sequence[tuple[str, str, Mapping[str, object]]], *,
         r["bytes_vs_data_parallel"] = (r["up_bytes"] + r["down_bytes"]) / (2 * dp)
         runs.append(r)
     return {"runs": runs, "workers": workers, "rounds": rounds, "preset": preset,
-            "seeds": seeds}
+            "seeds": seeds, "outer": dict(outer or {})}
 
 
 def format_e2e(e2e: Mapping[str, Any]) -> str:
@@ -290,7 +294,9 @@ def format_e2e(e2e: Mapping[str, Any]) -> str:
     lines = [f"end to end: charlm {e2e['preset']}, {e2e['workers']} workers x {e2e['rounds']} "
              f"rounds, same seeds ({seeds} swarm seed{'s' if seeds > 1 else ''}: mean final "
              "loss, mean paired ratio to fp32 [min, max]); x = float32 bytes / bytes sent; "
-             "vs DP = bytes both ways / data-parallel's", head, "-" * len(head)]
+             "vs DP = bytes both ways / data-parallel's"
+             + (f"; outer step overridden: {json.dumps(e2e['outer'])}" if e2e.get("outer") else ""),
+             head, "-" * len(head)]
     for r in e2e["runs"]:
         lines.append(
             f"{r['label']:<24}{r['final']:>11.4f}{100 * r['loss_vs_uncompressed']:>+8.2f}%"
@@ -354,7 +360,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--only", default="",
                     help="end to end: comma-separated labels of the codecs to train "
                     "(default all; fp32 always runs)")
+    ap.add_argument("--outer", type=json.loads, default={},
+                    help='end to end: JSON overriding the preset outer step for every run, '
+                    'fp32 included, e.g. \'{"momentum": 0.5}\'')
     args = ap.parse_args(argv)
+    if not isinstance(args.outer, dict):
+        ap.error("--outer: a JSON object, e.g. '{\"momentum\": 0.5}'")
     rows = run_microbench(numel=args.numel, repeats=args.repeats, steps=args.steps)
     print(
         f"numel={args.numel} float32 ({4 * args.numel / 1e6:.0f} MB), 1 thread, medians of "
@@ -373,7 +384,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                          + ", ".join(lbl for lbl, _, _ in E2E_CODECS))
             chosen = [c for c in E2E_CODECS if c[0] in labels]
         e2e = run_end_to_end(chosen, workers=args.workers, rounds=args.rounds,
-                             preset=args.preset, jobs=args.jobs, seeds=args.seeds)
+                             preset=args.preset, jobs=args.jobs, seeds=args.seeds,
+                             outer=args.outer)
         print(format_e2e(e2e))
     print(summary_line(rows, e2e))
 

@@ -99,6 +99,8 @@ class Swarm:
         self.error_feedback = [ErrorFeedback(self.run.numel) for _ in self.workers]
         self.banned_until: dict[str, int] = {}
         self.payload_bytes: list[int] = []  # the last round's payload sizes (what workers sent)
+        #: The last round's uncompressed updates, by worker index (bench/worker_agreement.py).
+        self.updates: dict[int, torch.Tensor] = {}
         if "label_flip" in self.byzantine.values():
             classes = int(self.run.task.params.get("n_classes", 256))
             self._flipped = dataclasses.replace(self.run, task=LabelFlipTask(self.run.task,
@@ -192,6 +194,7 @@ class Swarm:
                         self.error_feedback[i], replace_delta=row.float()))
         candidates = [Candidate(p.signed, p.payload) for p in prepared.values()]
         self.payload_bytes = [len(p.payload or b"") for p in prepared.values()]
+        self.updates = {i: p.delta for i, p in prepared.items()}
         registered = {w.public_key.hex() for w in self.workers}
         banned = {w for w, until in self.banned_until.items() if until >= r}
         outcome = process_round(run, r, self.base_hash, self.base, self.outer, candidates,
