@@ -12,6 +12,7 @@ expects; nothing is taken on trust from the file.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Mapping, Sequence
 
@@ -112,6 +113,18 @@ def decode_flat(data: bytes, shapes: ParamShapes, *, max_bytes: int) -> torch.Te
     if not bool(torch.isfinite(flat).all()):
         raise NonFiniteError("tensor file holds NaN or Inf")
     return flat
+
+
+def canonical_safetensors(data: bytes) -> bytes:
+    """``data``, a safetensors file as ``safetensors.save`` wrote it, with its header
+    written canonically: sorted keys, no spaces, padded with spaces to a multiple of 8
+    bytes. safetensors orders ``__metadata__`` differently in every process, so without
+    this the same content has another hash after a restart."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.dumps(json.loads(data[8:8 + n]), sort_keys=True, separators=(",", ":"),
+                        ensure_ascii=True).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + data[8 + n:]
 
 
 def sha256_hex(data: bytes) -> str:

@@ -12,11 +12,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from fakes import validator_identities
 from ledger_harness import Api, run_api
+from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from test_validator_http import honest, reveal_all, submit_all, synthetic_settings
 from veritrain.aggregation.secure import (
@@ -35,6 +38,7 @@ from veritrain.protocol.messages import ShardCheckShare, sign
 from veritrain.protocol.organiser import build_run
 from veritrain.protocol.outer import OuterState
 from veritrain.protocol.runtime import RunContext
+from veritrain.protocol.tensors import canonical_safetensors
 from veritrain.validators.checks import Candidate
 from veritrain.validators.node import ValidatorConfig, ValidatorNode
 from veritrain.validators.round import FilteredRound, filter_round, finish_round
@@ -80,6 +84,41 @@ def test_shard_file_round_trip_is_exact(rows):
     back = decode_shard_result(encode_shard_result(result), max_bytes=1 << 20)
     assert back.digest() == result.digest()
     assert torch.equal(back.aggregate, result.aggregate)
+
+
+_ENCODE_IN_A_FRESH_PROCESS = """
+import hashlib, torch
+from veritrain.aggregation.secure import ShardResult
+from veritrain.validators.sharded import encode_shard_result
+result = ShardResult(2, 1, 10, 20, 0.375, torch.arange(10.0), torch.arange(3.0).double(),
+                     torch.tensor([4, 7]), 5)
+print(hashlib.sha256(encode_shard_result(result)).hexdigest())
+"""
+
+
+def test_shard_file_is_the_same_bytes_in_every_process():
+    """safetensors orders metadata differently per process; a validator that restarts
+    must still resend exactly what it published (the ledger refuses other bytes)."""
+    hashes = {subprocess.run([sys.executable, "-c", _ENCODE_IN_A_FRESH_PROCESS], check=True,
+                             capture_output=True, text=True).stdout.strip() for _ in range(3)}
+    assert len(hashes) == 1 and len(hashes.pop()) == 64
+
+
+def test_canonical_header_keeps_the_tensors_and_is_a_fixed_point(rows):
+    result = _all_shards(rows, 8.0)[0]
+    raw = st_save({"aggregate": result.aggregate, "distances": result.distances,
+                   "heavy_blocks": result.heavy_blocks},
+                  metadata={"z": "1", "a": "2", "m": "3"})
+    canonical = canonical_safetensors(raw)
+    assert canonical_safetensors(canonical) == canonical
+    header_len = int.from_bytes(canonical[:8], "little")
+    assert header_len % 8 == 0
+    assert json.loads(canonical[8:8 + header_len]) == json.loads(raw[8:8 + int.from_bytes(
+        raw[:8], "little")])
+    back = st_load(canonical)
+    assert all(torch.equal(back[k], v) for k, v in
+               (("aggregate", result.aggregate), ("distances", result.distances),
+                ("heavy_blocks", result.heavy_blocks)))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "oversized", "renamed", "metadata", "dtype"])

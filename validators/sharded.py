@@ -41,6 +41,7 @@ from veritrain.aggregation.secure import (
 )
 from veritrain.aggregation.secure.sharding import malformation
 from veritrain.protocol.errors import OversizedError, PayloadError
+from veritrain.protocol.tensors import canonical_safetensors
 
 from .round import FilteredRound
 
@@ -77,14 +78,16 @@ def compute_own_shard(filtered: FilteredRound, num_shards: int, me: int) -> Shar
 
 
 def encode_shard_result(result: ShardResult) -> bytes:
-    """A safetensors file: the three tensors, the header fields as metadata (never pickle)."""
+    """A safetensors file: the three tensors, the header fields as metadata (never pickle),
+    the same bytes for the same result in every process (a validator that restarts
+    resends exactly what it published)."""
     meta = {"shard": str(result.shard), "publisher": str(result.publisher),
             "start": str(result.start), "stop": str(result.stop),
             "iterations": str(result.iterations), "tau": float(result.tau).hex()}
     tensors = {"aggregate": result.aggregate.detach().to(torch.float32).cpu().contiguous(),
                "distances": result.distances.detach().to(torch.float64).cpu().contiguous(),
                "heavy_blocks": result.heavy_blocks.detach().to(torch.int64).cpu().contiguous()}
-    return st_save(tensors, metadata=meta)
+    return canonical_safetensors(st_save(tensors, metadata=meta))
 
 
 def decode_shard_result(data: bytes, *, max_bytes: int) -> ShardResult:
