@@ -28,7 +28,7 @@ The last line is the one the issue tracks::
 
     compression: default=<codec> ratio_vs_fp32=<R> loss_vs_uncompressed=<+x.x%> encode_decode_MBps=<M> bytes_vs_data_parallel=<1/x>
 
-Run: ``.venv/bin/python bench/compression.py [--numel N] [--repeats R] [--steps S] [--end-to-end [--seeds K] [--only LABELS]]``
+Run: ``.venv/bin/python bench/compression.py [--numel N] [--repeats R] [--steps S] [--end-to-end [--workers W] [--rounds R] [--seeds K] [--only LABELS] [--outer JSON]]``
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ from veritrain.protocol.codecs import (
     ErrorFeedback,
     get_codec,
 )
+from veritrain.protocol.errors import EncodingError
+from veritrain.protocol.messages import OUTER
+from veritrain.protocol.presets import run_preset
 
 #: ``lowrank`` configs say ``"layout": "model"`` as a run spec would: the end-to-end
 #: runs bind it to the trained model (the run context does), the micro benchmark to a
@@ -203,8 +206,6 @@ def _e2e_run(job: tuple[str, str, dict[str, object], int, int, str, str, dict[st
              ) -> dict[str, Any]:
     """One swarm training run with one codec and swarm seed (in a worker process, one
     torch thread); the last item overrides the preset's outer step."""
-    from veritrain.protocol.presets import run_preset
-
     from veritrain.swarm import Swarm
 
     label, name, params, workers, rounds, preset, seed, outer = job
@@ -364,8 +365,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help='end to end: JSON overriding the preset outer step for every run, '
                     'fp32 included, e.g. \'{"momentum": 0.5}\'')
     args = ap.parse_args(argv)
-    if not isinstance(args.outer, dict):
-        ap.error("--outer: a JSON object, e.g. '{\"momentum\": 0.5}'")
+    try:
+        if not isinstance(args.outer, dict):
+            raise EncodingError("--outer: expected an object")
+        OUTER({**run_preset(args.preset)["outer"], **args.outer}, "--outer")
+    except EncodingError as exc:
+        ap.error(f"{exc} (e.g. '{{\"momentum\": 0.5}}')")
     rows = run_microbench(numel=args.numel, repeats=args.repeats, steps=args.steps)
     print(
         f"numel={args.numel} float32 ({4 * args.numel / 1e6:.0f} MB), 1 thread, medians of "

@@ -7,7 +7,7 @@ n/P workers' data; this measures that sampling error on the charlm swarm
 
 * ``pair_cos``: the mean cosine between two workers' updates;
 * ``subset_k``: ``||mean(k workers) - mean(all n)|| / ||mean(all n)||``, averaged
-  over the n/k disjoint groups of k consecutive workers.
+  over the n/k disjoint groups of k consecutive workers (k < n dividing n).
 
 The last line gives each figure's range over the rounds::
 
@@ -37,7 +37,8 @@ def round_agreement(updates: torch.Tensor, sizes: Sequence[int]) -> dict[str, fl
     mean = updates.mean(0)
     for k in sizes:
         groups = [updates[s:s + k].mean(0) for s in range(0, n - k + 1, k)]
-        out[f"subset_{k}"] = sum(float((g - mean).norm() / mean.norm()) for g in groups) / len(groups)
+        distances = [float((g - mean).norm() / mean.norm()) for g in groups]
+        out[f"subset_{k}"] = sum(distances) / len(distances)
     return out
 
 
@@ -55,8 +56,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings["codec"] = {"name": "fp32", "params": {}}
     settings["verification"].update(challenges_per_worker=0.0, always_last=False,
                                     spot_checks_per_round=0)
-    swarm = Swarm(settings, n_workers=args.workers, seed=args.seed)
-    sizes = [k for k in (1, 2, 4, 8, 16, 32) if k < args.workers]
+    swarm = Swarm(settings, n_workers=args.workers, seed=args.seed, keep_updates=True)
+    sizes = [k for k in range(1, args.workers) if args.workers % k == 0]
     rows = []
     for r in range(args.rounds):
         swarm.step(r)

@@ -75,7 +75,8 @@ class SwarmResult:
 class Swarm:
     def __init__(self, settings: dict[str, Any], *, n_workers: int,
                  byzantine: dict[int, str] | None = None, seed: str = "swarm",
-                 device: str = "cpu", bundle: RunBundle | None = None) -> None:
+                 device: str = "cpu", bundle: RunBundle | None = None,
+                 keep_updates: bool = False) -> None:
         self.byzantine = dict(byzantine or {})
         for attack in self.byzantine.values():
             if attack not in ATTACKS:
@@ -99,7 +100,9 @@ class Swarm:
         self.error_feedback = [ErrorFeedback(self.run.numel) for _ in self.workers]
         self.banned_until: dict[str, int] = {}
         self.payload_bytes: list[int] = []  # the last round's payload sizes (what workers sent)
-        #: The last round's uncompressed updates, by worker index (bench/worker_agreement.py).
+        #: With ``keep_updates``, the last round's uncompressed updates by worker index
+        #: (bench/worker_agreement.py); n x D floats, so off by default.
+        self.keep_updates = keep_updates
         self.updates: dict[int, torch.Tensor] = {}
         if "label_flip" in self.byzantine.values():
             classes = int(self.run.task.params.get("n_classes", 256))
@@ -194,7 +197,8 @@ class Swarm:
                         self.error_feedback[i], replace_delta=row.float()))
         candidates = [Candidate(p.signed, p.payload) for p in prepared.values()]
         self.payload_bytes = [len(p.payload or b"") for p in prepared.values()]
-        self.updates = {i: p.delta for i, p in prepared.items()}
+        if self.keep_updates:
+            self.updates = {i: p.delta for i, p in prepared.items()}
         registered = {w.public_key.hex() for w in self.workers}
         banned = {w for w, until in self.banned_until.items() if until >= r}
         outcome = process_round(run, r, self.base_hash, self.base, self.outer, candidates,
