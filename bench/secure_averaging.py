@@ -93,7 +93,6 @@ from veritrain.aggregation.secure import (
     BucketContext,
     aggregate_bucket_means,
     aggregate_shard,
-    assign_buckets,
     check_shard_result,
     deal_shares,
     default_max_dropouts,
@@ -113,6 +112,7 @@ from veritrain.aggregation.secure import (
 from veritrain.aggregation.secure.fixed_point import MAX_ABS_SUM
 from veritrain.aggregation.secure.prg import combine_streams, derive_key
 from veritrain.aggregation.secure.projection import BLOCK
+from veritrain.protocol.secagg import deal_ranked
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -343,7 +343,7 @@ class MaskedBucketsSimulation:
         ids = [i.to_bytes(4, "big") for i in range(n)]
         return [
             [int.from_bytes(w, "big") for w in b]
-            for b in assign_buckets(self.seed.to_bytes(8, "big"), ids, self.size)
+            for b in deal_ranked(self.seed.to_bytes(8, "big"), ids, self.size)
         ]
 
     @staticmethod

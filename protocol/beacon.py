@@ -55,6 +55,20 @@ def shard_check_body(result_digests: Sequence[bytes]) -> bytes:
     return h.digest()
 
 
+def compute_check_seed(beacon_seed: bytes, result_digests: Sequence[bytes]) -> bytes:
+    """Fallback check seed without a second beacon: SHA-256(beacon seed, all result digests).
+
+    Sound against a publisher that cannot grind (it would have to republish to
+    try another sample); a grinding publisher gets about 1/p tries for a cheat
+    that escapes one sample with probability p, so use it only where p is
+    negligible (dense cheats) or prefer the BLS-drawn seed over :func:`shard_check_body`.
+    """
+    h = hashlib.sha256(b"veritrain/v1/secure/shard-check-seed")
+    h.update(len(beacon_seed).to_bytes(4, "big") + beacon_seed)
+    h.update(shard_check_body(result_digests))
+    return h.digest()
+
+
 def sealed_list_digest(submission_digests: Sequence[str]) -> str:
     """sha256 (hex) of a round's sealed list: its submission digests (hex), sorted, each
     length-prefixed, after the tag "veritrain/v1/sealed-list". Validators sign it into

@@ -73,6 +73,18 @@ def test_round_buckets_partition_the_distinct_workers(n, size, seed, data):
         assert max(sizes) - min(sizes) <= 1  # dealt round-robin
 
 
+def test_round_buckets_depend_on_the_seed_and_mix_workers_across_seeds():
+    ws = workers(37)
+    assert round_buckets(b"beacon", ws, 8) != round_buckets(b"beacon2", ws, 8)
+    assert sorted(len(b) for b in round_buckets(b"beacon", ws, 8)) == [9, 9, 9, 10]
+    ws = workers(16)
+    together = sum(1 for s in range(200)
+                   if any(ws[0] in b and ws[1] in b
+                          for b in round_buckets(s.to_bytes(4, "big"), ws, 4)))
+    # P(same bucket of 4 among 16) = 3/15 = 0.2
+    assert abs(together / 200 - 0.2) < 0.12
+
+
 @settings(max_examples=100, deadline=None)
 @given(n=st.integers(4, 30), size=st.integers(2, 6), data=st.data())
 def test_check_dealt_takes_the_beacons_deal_and_nothing_else(n, size, data):

@@ -24,7 +24,6 @@ from veritrain.aggregation.secure import (
     TooManyDropoutsError,
     WorkerSecrets,
     aggregate_bucket_means,
-    assign_buckets,
     deal_shares,
     default_max_dropouts,
     mask_update,
@@ -433,41 +432,6 @@ def test_fewer_than_threshold_key_shares_do_not_unmask_an_individual(bucket):
         "<u4"
     )
     assert _chi2_uniform_bytes((bucket.masked[target].words - sm).astype(np.uint32)) < 6
-
-
-# -- buckets -------------------------------------------------------------------
-
-
-def test_assign_buckets_is_a_deterministic_balanced_partition():
-    ws = worker_ids(37)
-    a = assign_buckets(b"beacon", ws, 8)
-    assert a == assign_buckets(b"beacon", list(reversed(ws)), 8)  # input order irrelevant
-    assert a != assign_buckets(b"beacon2", ws, 8)
-    assert len(a) == 4 and sorted(len(b) for b in a) == [9, 9, 9, 10]
-    assert sorted(w for b in a for w in b) == sorted(ws)
-    assert all(list(b) == sorted(b) for b in a)
-
-
-def test_assign_buckets_mixes_workers_across_seeds():
-    ws = worker_ids(16)
-    together = sum(
-        1
-        for s in range(200)
-        if any(ws[0] in b and ws[1] in b for b in assign_buckets(s.to_bytes(4, "big"), ws, 4))
-    )
-    # P(same bucket of 4 among 16) = 3/15 = 0.2
-    assert abs(together / 200 - 0.2) < 0.12
-
-
-def test_invalid_bucket_assignments():
-    with pytest.raises(SecureAggregationError, match="cannot fill"):
-        assign_buckets(b"s", worker_ids(3), 4)
-    with pytest.raises(SecureAggregationError, match="distinct"):
-        assign_buckets(b"s", [b"a", b"a", b"b"], 2)
-    with pytest.raises(SecureAggregationError):
-        assign_buckets(b"s", worker_ids(4), 1)
-    with pytest.raises(SecureAggregationError):
-        assign_buckets(b"", worker_ids(4), 2)
 
 
 def test_invalid_bucket_contexts():

@@ -17,18 +17,17 @@ from veritrain.aggregation.secure import (
     aggregate_shard,
     assemble_shards,
     check_shard_result,
-    compute_check_seed,
     default_sample_blocks,
     fixed_point_coefficients,
     recompute_shard,
     sample_blocks,
     shard_bounds,
-    shard_check_body,
     shard_tau,
     verify_shard_exact,
 )
 from veritrain.aggregation.secure.projection import BLOCK
 from veritrain.aggregation.secure.sharding import _combine64
+from veritrain.protocol.beacon import compute_check_seed, shard_check_body
 
 N, D, V = 12, 48_000, 3  # shards of 16,000 coordinates = 1,000 blocks; 256 sampled
 

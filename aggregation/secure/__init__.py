@@ -9,7 +9,7 @@ Two independent mechanisms (specs/secure-averaging.md):
   settled exactly (``recompute_shard``), blaming the publisher only if the
   published result is really wrong.
 * **Masked buckets** (SecAgg+ style): workers in a beacon-drawn bucket
-  (``assign_buckets``) clip, quantize to Z_(2^32) and add pairwise ChaCha20
+  (``veritrain.protocol.secagg.round_buckets``) clip, quantize to Z_(2^32) and add pairwise ChaCha20
   masks from X25519 agreements plus a self mask; Shamir shares of the self-mask
   seeds and mask keys let the bucket finish with up to t dropouts
   (``unmask_bucket``).  Validators see only bucket sums, and CenteredClip runs
@@ -19,7 +19,7 @@ Pure functions over typed values: no I/O, no global random generator; every
 random choice another party must reproduce is a ChaCha20 stream.
 """
 
-from .buckets import aggregate_bucket_means, assign_buckets, bucket_rank
+from .buckets import aggregate_bucket_means
 from .errors import (
     InconsistentSharesError,
     NonFiniteShardError,
@@ -55,10 +55,8 @@ from .masking import (
 from .projection import (
     ShardCheck,
     check_shard_result,
-    compute_check_seed,
     default_sample_blocks,
     sample_blocks,
-    shard_check_body,
 )
 from .shamir import PRIME, Share, reconstruct_secret, split_secret
 from .sharding import (
@@ -100,11 +98,8 @@ __all__ = [
     "aggregate_bucket_means",
     "aggregate_shard",
     "assemble_shards",
-    "assign_buckets",
-    "bucket_rank",
     "check_shard_result",
     "clip_factor",
-    "compute_check_seed",
     "deal_shares",
     "default_max_dropouts",
     "default_sample_blocks",
@@ -124,7 +119,6 @@ __all__ = [
     "rounding_key",
     "sample_blocks",
     "shard_bounds",
-    "shard_check_body",
     "shard_tau",
     "split_secret",
     "unmask_bucket",

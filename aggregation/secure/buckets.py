@@ -1,18 +1,8 @@
-"""Beacon-drawn buckets for masked averaging, and robust aggregation of bucket means.
+"""Robust aggregation of masked buckets' means.
 
-``assign_buckets(seed, workers, s)`` orders the workers by
-
-    rank(w) = SHA-256("veritrain/v1/secure/bucket" || seed || w)
-
-(ties impossible: SHA-256 of distinct inputs), makes B = floor(n / s) buckets
-and deals the ranked workers round-robin (rank position p goes to bucket
-p mod B), so every bucket has s or s + 1 members (more when n / s is not an
-integer: at most s + ceil((n mod s) / B)).  Members are listed in ascending
-byte order of their ids, the canonical order for masks and shares.
-
-The seed is the round's beacon, fixed after submissions close and not
-grindable, and worker ids are registered before it exists, so nobody chooses
-whom they share a bucket with.
+Which workers share a bucket is a protocol rule (``veritrain.protocol.secagg``,
+``round_buckets``: drawn from the round's beacon); here a validator that has unmasked
+each bucket's sum aggregates the bucket means, each weighted by its member count.
 """
 
 from __future__ import annotations
@@ -21,34 +11,11 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from veritrain.protocol.secagg import bucket_rank, deal_ranked
 
 from ..base import Aggregator
 from .errors import SecureAggregationError
 
-__all__ = ["aggregate_bucket_means", "assign_buckets", "bucket_rank"]
-
-
-def assign_buckets(seed: bytes, workers: Sequence[bytes], size: int) -> list[tuple[bytes, ...]]:
-    """Partition ``workers`` (ids as bytes) into buckets of at least ``size``; see module docstring.
-
-    Requires distinct ids, ``size >= 2`` and at least ``size`` workers.
-    """
-    if not isinstance(seed, bytes) or not seed:
-        raise SecureAggregationError("seed must be non-empty bytes (the round's beacon)")
-    if not isinstance(size, int) or isinstance(size, bool) or size < 2:
-        raise SecureAggregationError(f"bucket size must be an int >= 2, got {size!r}")
-    ids = list(workers)
-    if any(not isinstance(w, bytes) or not w for w in ids):
-        raise SecureAggregationError("worker ids must be non-empty bytes")
-    if len(set(ids)) != len(ids):
-        raise SecureAggregationError("worker ids must be distinct")
-    if len(ids) < size:
-        raise SecureAggregationError(
-            f"{len(ids)} workers cannot fill one bucket of size {size}: masked averaging "
-            "needs at least one full bucket (fall back to plain aggregation)"
-        )
-    return deal_ranked(seed, ids, size)
+__all__ = ["aggregate_bucket_means"]
 
 
 def aggregate_bucket_means(

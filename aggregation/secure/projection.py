@@ -55,14 +55,11 @@ rests on the exact check (``sharding.verify_shard_exact``), never on a sample.
 
 from __future__ import annotations
 
-import hashlib
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from torch import Tensor
-from veritrain.protocol.beacon import shard_check_body
 
 from .._inputs import Weights, check_updates
 from .prg import derive_key, uniform_indices
@@ -81,10 +78,8 @@ __all__ = [
     "DEFAULT_Z",
     "ShardCheck",
     "check_shard_result",
-    "compute_check_seed",
     "default_sample_blocks",
     "sample_blocks",
-    "shard_check_body",
 ]
 
 #: Sampled blocks: max(MIN_BLOCKS, ceil(n_b / BLOCK_DIVISOR)).
@@ -96,20 +91,6 @@ DEFAULT_Z = 8.0
 FLOOR = 1e-3
 #: Extra tolerance, times d_i^2, for estimates *below* the published d_i^2.
 LOWER_SLACK = 0.1
-
-
-def compute_check_seed(beacon_seed: bytes, result_digests: Sequence[bytes]) -> bytes:
-    """Fallback check seed without a second beacon: SHA-256(beacon seed, all result digests).
-
-    Sound against a publisher that cannot grind (it would have to republish to
-    try another sample); a grinding publisher gets about 1/p tries for a cheat
-    that escapes one sample with probability p, so use it only where p is
-    negligible (dense cheats) or prefer the BLS-drawn seed of ``shard_check_body``.
-    """
-    h = hashlib.sha256(b"veritrain/v1/secure/shard-check-seed")
-    h.update(len(beacon_seed).to_bytes(4, "big") + beacon_seed)
-    h.update(shard_check_body(result_digests))
-    return h.digest()
 
 
 def default_sample_blocks(n: int) -> int:
