@@ -48,7 +48,6 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 from veritrain.ledger.audit import verify_export_file
 from veritrain.ledger.ingest import Incoming, accept_batch, open_submissions
-from veritrain.ledger.scoring import compute_scores, split_rewards
 from veritrain.ledger.server import LedgerConfig, make_app
 from veritrain.ledger.store import LedgerStore
 from veritrain.protocol.beacon import beacon_root, beacon_seed_of, sealed_list_digest
@@ -65,6 +64,7 @@ from veritrain.protocol.messages import (
 )
 from veritrain.protocol.presets import run_preset
 from veritrain.protocol.rules import expected_samples, expected_trail_length
+from veritrain.protocol.scoring import compute_scores, split_rewards
 
 RUN = "bench-run"
 BATCH = 1000

@@ -72,8 +72,8 @@ from veritrain.protocol.messages import Submission
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import sha256_hex
 from veritrain.protocol.training import TrainingState, train_segment
-from veritrain.protocol.worker import prepare_submission
 from veritrain.validators.segments import check_segment
+from veritrain.workers.round import prepare_submission
 
 #: Tolerance this benchmark recommends for ``verification.tolerance`` with one-step
 #: segments (k = 1, the bench preset; see the spec's "Verification calibration"): the

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from veritrain.protocol.client import LedgerClient
+from veritrain.ledger.client import LedgerClient
 
 from .chain import ChainRow
 from .export import (

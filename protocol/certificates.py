@@ -47,3 +47,22 @@ def verify_certificate(cert: Any, spec: RunSpec, *, base_of_round: int) -> Certi
                                      bytes.fromhex(checked["signature"])):
         raise InvalidCertificate("aggregate signature does not verify")
     return state
+
+
+def certified_base(spec: RunSpec, info: dict[str, Any]) -> tuple[str, str | None]:
+    """(model hash, outer-state hash) of a round's base as its certificate vouches for them.
+
+    ``info`` is the round as the ledger serves it (``round``, ``base_model_hash``,
+    ``outer_state_hash``, ``base_certificate``). Round 0 starts from the signed spec's
+    genesis model with zero outer momentum (no outer-state file).
+    """
+    r = info["round"]
+    if r == 0:
+        if info["base_model_hash"] != spec.genesis_model_hash:
+            raise RejectedInput("round 0 does not start from the genesis model", "invalid_base")
+        return spec.genesis_model_hash, None
+    state = verify_certificate(info["base_certificate"], spec, base_of_round=r)
+    if (state.model_hash, state.outer_state_hash) != (
+            info["base_model_hash"], info["outer_state_hash"]):
+        raise RejectedInput("round's base differs from its certificate", "invalid_base")
+    return state.model_hash, state.outer_state_hash

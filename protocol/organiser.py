@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .client import LedgerClient
 from .identity import Identity, PublicIdentity
 from .messages import RunSpec, Signed, sign
 from .tasks import TASK_PRESETS, load_task
@@ -78,13 +77,3 @@ def build_run(
     if (problem := spec.sharding_problem() or spec.masking_problem()) is not None:
         raise ValueError(problem)
     return RunBundle(sign(organiser, spec), dataset, genesis)
-
-
-async def publish_run(ledger_url: str, bundle: RunBundle) -> dict[str, Any]:
-    """Upload the spec, dataset and genesis model to the ledger (one multipart request)."""
-    async with LedgerClient(ledger_url, retry_for=60.0) as client:
-        return await client.post_multipart(
-            "/v1/runs",
-            [("spec", bundle.signed.encode(), "application/json"),
-             ("dataset", bundle.dataset, "application/octet-stream"),
-             ("genesis", bundle.genesis, "application/octet-stream")])

@@ -20,7 +20,7 @@ from .codecs import Codec, get_codec
 from .data import get_data_assignment
 from .errors import RejectedInput
 from .messages import RunSpec
-from .outer import outer_step
+from .outer import OuterState, outer_step
 from .tasks import Task, load_task
 from .tensors import ParamShapes, decode_flat, encode_flat, flatten_params, numel_of, param_shapes
 from .training import InnerConfig, LocalTrainResult, evaluate, local_train
@@ -82,6 +82,14 @@ class RunContext:
 
     def decode_model(self, data: bytes) -> torch.Tensor:
         return decode_flat(data, self.shapes, max_bytes=self.max_model_bytes)
+
+    def decode_base(self, model: bytes, outer: bytes | None) -> tuple[torch.Tensor, OuterState]:
+        """A round's base parameters and outer state from their files (no outer-state file:
+        round 0, zero momentum)."""
+        flat = self.decode_model(model)
+        if outer is None:
+            return flat, OuterState.zeros(self.numel)
+        return flat, OuterState.from_bytes(outer, self.numel)
 
     def genesis_flat(self) -> torch.Tensor:
         return flatten_params(self.task.make_model())

@@ -2,7 +2,7 @@
 
 ``play_run`` registers workers, takes their signed submissions, closes each
 round, posts the validators' beacon shares and signed, BLS-attested round
-results (verdicts and scores made by :mod:`veritrain.ledger.scoring` from the
+results (verdicts and scores made by :mod:`veritrain.protocol.scoring` from the
 kinds of workers given), and so finalizes rounds with real quorum
 certificates: the ledger rows an auditor checks.
 """

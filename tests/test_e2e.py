@@ -21,9 +21,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 from veritrain.ledger.audit import fetch_events, verify_events
-from veritrain.protocol.client import LedgerClient
+from veritrain.ledger.client import LedgerClient, publish_run
 from veritrain.protocol.identity import Identity, write_key_file
-from veritrain.protocol.organiser import build_run, publish_run
+from veritrain.protocol.organiser import build_run
 from veritrain.protocol.presets import run_preset
 
 from veritrain.local import LocalProcesses, child_env

@@ -10,7 +10,7 @@ from ledger_backends import make_fixture
 from ledger_harness import run_api
 from ledger_scenarios import COPIER, FREE_RIDER, HONEST, make_store, play_run, quick_run
 from veritrain.ledger.audit import fetch_and_verify
-from veritrain.protocol.client import LedgerClient
+from veritrain.ledger.client import LedgerClient
 
 ledger_url = make_fixture()
 KINDS = [HONEST, HONEST, HONEST, HONEST, FREE_RIDER, COPIER, HONEST]

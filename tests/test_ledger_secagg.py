@@ -27,13 +27,13 @@ from ledger_backends import make_fixture
 from ledger_harness import Api, run_api
 from veritrain.ledger import schema as t
 from veritrain.ledger.audit import fetch_events, verify_events
+from veritrain.ledger.client import LedgerClient
 from veritrain.protocol.beacon import (
     beacon_root,
     beacon_seed_of,
     compute_beacon_seed,
     sealed_list_digest_of,
 )
-from veritrain.protocol.client import LedgerClient
 from veritrain.protocol.encoding import decode_canonical
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import (
@@ -646,14 +646,14 @@ def test_deadlines_close_phases_and_drop_buckets_that_cannot_finish(tmp_path, le
 
 def test_real_masked_workers_complete_the_board_and_it_unmasks_to_their_sum(tmp_path,
                                                                             ledger_url):
-    """The workers' own board walk (protocol/masked_worker.py, real X25519 keys, Shamir
+    """The workers' own board walk (workers/masked.py, real X25519 keys, Shamir
     deals and masks) is taken as is, and the validators' reading of the final board
     unmasks each bucket to the sum of its members' updates."""
     import numpy as np
     import torch
     from veritrain.aggregation.secure import MaskedInput, unmask_bucket
-    from veritrain.protocol.masked_worker import take_part
     from veritrain.validators.masked import parse_board
+    from veritrain.workers.masked import take_part
 
     run = masked_run(spot_checks=1)
     ids = [Identity.generate("worker") for _ in range(6)]

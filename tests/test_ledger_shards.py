@@ -17,13 +17,13 @@ from fakes import make_fake_run, make_submission
 from ledger_backends import make_fixture
 from ledger_harness import Api, run_api
 from veritrain.ledger.audit import fetch_events, verify_events
+from veritrain.ledger.client import LedgerClient
 from veritrain.protocol.beacon import (
     beacon_root,
     compute_beacon_seed,
     sealed_list_digest_of,
     shard_check_root,
 )
-from veritrain.protocol.client import LedgerClient
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import (
     BeaconShare,

@@ -22,16 +22,16 @@ from ledger_harness import Api, run_api
 from test_validator_http import reveal_all, synthetic_settings
 from veritrain.aggregation.secure import fixed_point_scale
 from veritrain.ledger.audit import fetch_events, verify_events
-from veritrain.protocol.client import LedgerClient
+from veritrain.ledger.client import LedgerClient
 from veritrain.protocol.codecs import ErrorFeedback
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
-from veritrain.protocol.masked_worker import MaskedRound
 from veritrain.protocol.messages import Registration, sign
 from veritrain.protocol.organiser import build_run
 from veritrain.protocol.runtime import RunContext
-from veritrain.protocol.worker import prepare_submission
 from veritrain.validators.node import ValidatorConfig, ValidatorNode
+from veritrain.workers.masked import MaskedRound
+from veritrain.workers.round import prepare_submission
 
 V = 3
 CLIP = 1000.0

@@ -30,8 +30,8 @@ from veritrain.aggregation.secure import (
     shard_tau,
 )
 from veritrain.ledger.audit import fetch_events, verify_events
+from veritrain.ledger.client import LedgerClient
 from veritrain.protocol.beacon import beacon_seed_of, shard_check_root
-from veritrain.protocol.client import LedgerClient
 from veritrain.protocol.errors import OversizedError, PayloadError
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import ShardCheckShare, sign

@@ -15,7 +15,7 @@ import pytest
 import torch
 from fakes import validator_identities
 from ledger_harness import Api, run_api
-from veritrain.protocol.client import LedgerClient
+from veritrain.ledger.client import LedgerClient
 from veritrain.protocol.codecs import ErrorFeedback
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
@@ -25,10 +25,10 @@ from veritrain.protocol.outer import OuterState
 from veritrain.protocol.presets import run_preset
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import sha256_hex
-from veritrain.protocol.worker import PreparedSubmission, prepare_submission
 from veritrain.validators.checks import Candidate
 from veritrain.validators.node import ValidatorConfig, ValidatorNode
 from veritrain.validators.round import process_round
+from veritrain.workers.round import PreparedSubmission, prepare_submission
 
 
 def synthetic_settings(challenges: float = 2.0) -> dict:

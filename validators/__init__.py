@@ -1,1 +1,1 @@
-"""veritrain validators."""
+"""veritrain validators: the validator role (checks, spot checks, aggregation step, node)."""

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from veritrain.ledger.client import LedgerClient, LedgerRefused, fetch_base_files, fetch_run
 from veritrain.protocol.beacon import (
     beacon_root,
     sealed_list_digest_of,
@@ -28,9 +29,7 @@ from veritrain.protocol.beacon import (
     verify_fixed_beacon,
 )
 from veritrain.protocol.challenges import max_reveal_bytes
-from veritrain.protocol.client import LedgerClient, LedgerRefused
 from veritrain.protocol.errors import RejectedInput
-from veritrain.protocol.follow import fetch_base, fetch_run
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import (
     BeaconShare,
@@ -193,7 +192,8 @@ class ValidatorNode:
         spec = run.spec
         r = info["round"]
         started = time.monotonic()
-        base_flat, outer = await fetch_base(client, run, info)
+        base_flat, outer = run.decode_base(*await fetch_base_files(
+            client, run.spec, info, max_model_bytes=run.max_model_bytes))
         # One sealed list for the share, the candidates and the buckets: the one signed.
         sealed = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/submissions")
         seed = await self.beacon_seed(client, spec, r, sealed["submissions"])

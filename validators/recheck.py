@@ -12,9 +12,8 @@ import argparse
 import contextlib
 from typing import Any
 
+from veritrain.ledger.client import LedgerClient, LedgerRefused, fetch_base_files, fetch_run
 from veritrain.protocol.challenges import max_reveal_bytes
-from veritrain.protocol.client import LedgerClient, LedgerRefused
-from veritrain.protocol.follow import fetch_base, fetch_run
 from veritrain.protocol.messages import Submission, open_signed
 from veritrain.protocol.runtime import RunContext
 
@@ -32,7 +31,8 @@ async def recheck(client: LedgerClient, run_id: str | None, r: int, worker_prefi
     if len(verdicts) != 1:
         raise SystemExit(f"{len(verdicts)} verdicts in round {r} match {worker_prefix!r}")
     verdict = verdicts[0]
-    base_flat, _ = await fetch_base(client, run, summary)
+    base_flat, _ = run.decode_base(*await fetch_base_files(
+        client, run.spec, summary, max_model_bytes=run.max_model_bytes))
     sealed = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/submissions")
     signed = next(s for s in (open_signed(w, Submission) for w in sealed["submissions"])
                   if s.message.worker == verdict["worker"])

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 from veritrain.aggregation import build_aggregator
-from veritrain.ledger.scoring import compute_scores, split_rewards
 from veritrain.protocol.beacon import derive_seed
 from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.outer import OuterState, encode_update, outer_step
 from veritrain.protocol.runtime import RunContext
+from veritrain.protocol.scoring import compute_scores, split_rewards
 
 from .checks import Candidate, admit, group_by_worker, norm_outliers
 from .probe import loss_regressions, probe_gains, probe_rows

@@ -65,8 +65,9 @@ def _settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_run_create(args: argparse.Namespace) -> int:
+    from veritrain.ledger.client import publish_run
     from veritrain.protocol.identity import PublicIdentity, read_key_file
-    from veritrain.protocol.organiser import build_run, publish_run
+    from veritrain.protocol.organiser import build_run
 
     organiser = read_key_file(Path(args.key))
     validators = []
@@ -103,7 +104,7 @@ def cmd_ledger_serve(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from veritrain.protocol.identity import read_key_file
-    from veritrain.protocol.worker import WorkerConfig, WorkerNode
+    from veritrain.workers.node import WorkerConfig, WorkerNode
 
     identity = read_key_file(Path(args.key))
     _check_device(args.device)

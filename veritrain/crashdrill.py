@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from veritrain.ledger.audit import fetch_events, verify_events
+from veritrain.ledger.client import LedgerClient, publish_run
 from veritrain.ledger.verify import AuditResult
-from veritrain.protocol.client import LedgerClient
 from veritrain.protocol.identity import Identity, write_key_file
-from veritrain.protocol.organiser import build_run, publish_run
+from veritrain.protocol.organiser import build_run
 from veritrain.protocol.presets import run_preset
 
 from .local import LocalProcesses, free_port

@@ -26,8 +26,8 @@ from typing import Any
 import aiohttp
 
 from veritrain.ledger.audit import fetch_events
+from veritrain.ledger.client import LedgerClient
 from veritrain.protocol.beacon import beacon_seed_of, sealed_list_digest
-from veritrain.protocol.client import LedgerClient
 from veritrain.protocol.encoding import encode_canonical
 from veritrain.protocol.identity import Identity
 

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from veritrain.ledger.audit import fetch_events, verify_events
+from veritrain.ledger.client import LedgerClient
 from veritrain.protocol.beacon import beacon_seed_of, sealed_list_digest_of
-from veritrain.protocol.client import LedgerClient
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import Receipt, open_signed
 

@@ -32,10 +32,10 @@ from veritrain.protocol.organiser import RunBundle, build_run
 from veritrain.protocol.outer import OuterState
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import sha256_hex
-from veritrain.protocol.worker import prepare_submission
 from veritrain.validators.checks import Candidate
 from veritrain.validators.probe import loss_regressions, probe_gains, probe_rows
 from veritrain.validators.round import RoundOutcome, process_round, resolve_aggregator_params
+from veritrain.workers.round import prepare_submission
 
 WORKER_SIDE_ATTACKS = ("free_rider", "sign_flip", "label_flip")
 OMNISCIENT_ATTACKS = ("alie", "ipm", "gaussian", "zeros", "mimic", "optimal_alie",

@@ -13,7 +13,6 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from veritrain.ledger.scoring import compute_scores, split_rewards
 from veritrain.protocol.beacon import beacon_root
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import (
@@ -29,6 +28,7 @@ from veritrain.protocol.messages import (
 )
 from veritrain.protocol.presets import run_preset
 from veritrain.protocol.rules import expected_samples, expected_trail_length
+from veritrain.protocol.scoring import compute_scores, split_rewards
 
 #: Kinds of worker: what the synthetic validators decide about their submissions.
 HONEST, FREE_RIDER, COPIER, SPOT_FAIL = "honest", "free_rider", "copier", "spot_fail"

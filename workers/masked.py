@@ -42,12 +42,11 @@ from veritrain.aggregation.secure import (
     open_shares,
     reveal_shares,
 )
-
-from .beacon import sealed_list_digest_of, verify_fixed_beacon
-from .client import LedgerClient, LedgerRefused
-from .errors import RejectedInput
-from .identity import Identity
-from .messages import (
+from veritrain.ledger.client import LedgerClient, LedgerRefused
+from veritrain.protocol.beacon import sealed_list_digest_of, verify_fixed_beacon
+from veritrain.protocol.errors import RejectedInput
+from veritrain.protocol.identity import Identity
+from veritrain.protocol.messages import (
     RunSpec,
     SecaggDeal,
     SecaggKeys,
@@ -57,8 +56,8 @@ from .messages import (
     open_signed,
     sign,
 )
-from .secagg import check_dealt
-from .secagg_wire import (
+from veritrain.protocol.secagg import check_dealt
+from veritrain.protocol.secagg_wire import (
     advert_of,
     bucket_context,
     commitments_of,

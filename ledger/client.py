@@ -1,10 +1,14 @@
-"""Async HTTP client for the ledger API, with retries and backoff.
+"""The ledger API's client (aiohttp), with retries and backoff, and what every node
+needs to follow a run through it.
 
 Transient failures (connection refused or reset, timeouts, 429, 5xx) are
 retried with exponential backoff and jitter until ``retry_for`` seconds have
 passed; refusals (other 4xx) raise :class:`LedgerRefused` at once with the
 problem's ``reason``. Downloaded blobs are checked against their content hash
-and a size bound before they are returned.
+and a size bound before they are returned. A node never adopts a run spec
+without the organiser's signature (:func:`fetch_run`), nor a base model without
+the certificate that vouches for it (:func:`fetch_base_files`; the genesis
+model is vouched for by the signed spec itself).
 """
 
 from __future__ import annotations
@@ -16,12 +20,16 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
+from veritrain.protocol.certificates import certified_base
+from veritrain.protocol.encoding import encode_canonical
+from veritrain.protocol.errors import OversizedError, PayloadError, RejectedInput
+from veritrain.protocol.messages import RunSpec, open_signed
 
-from .encoding import encode_canonical
-from .errors import OversizedError, PayloadError
+if TYPE_CHECKING:
+    from veritrain.protocol.organiser import RunBundle
 
 log = logging.getLogger("veritrain.client")
 
@@ -159,3 +167,61 @@ class LedgerClient:
                 return b"".join(chunks)
 
         return await self._retrying(f"GET blob {digest[:12]}", attempt)
+
+
+async def fetch_run(client: LedgerClient, run_id: str | None, *, poll_seconds: float = 1.0,
+                    wait_for: float = 3600.0) -> RunSpec:
+    """The run's spec, with the organiser's signature checked.
+
+    A node started before the organiser created the run waits for it (up to
+    ``wait_for`` seconds): for the named run, or for the ledger's only active
+    run when none is named.
+    """
+    deadline = time.monotonic() + wait_for
+    announced = False
+    while True:
+        chosen = run_id
+        if chosen is None:
+            runs = (await client.get_json("/v1/ledger"))["runs"]
+            active = [r["run_id"] for r in runs if r["status"] == "active"]
+            if len(active) > 1:
+                raise SystemExit(f"ledger has {len(active)} active runs; pass --run")
+            chosen = active[0] if active else None
+        if chosen is not None:
+            try:
+                overview = await client.get_json(f"/v1/runs/{chosen}")
+                break
+            except LedgerRefused as exc:
+                if exc.reason != "not_found":
+                    raise
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no run {run_id or '(any)'} appeared on the ledger")
+        if not announced:
+            log.info("waiting for run %s to be created", run_id or "(any)")
+            announced = True
+        await asyncio.sleep(poll_seconds)
+    signed = open_signed(overview["spec"], RunSpec)
+    if signed.signer != signed.message.organiser:
+        raise RejectedInput("run spec is not signed by its organiser", "bad_signature")
+    return signed.message
+
+
+async def fetch_base_files(client: LedgerClient, spec: RunSpec, info: dict[str, Any], *,
+                           max_model_bytes: int) -> tuple[bytes, bytes | None]:
+    """A round's base model file and outer-state file (None in round 0), downloaded by the
+    hashes its certificate vouches for (:func:`certified_base`)."""
+    model_hash, outer_hash = certified_base(spec, info)
+    model = await client.get_blob(model_hash, max_bytes=max_model_bytes)
+    if outer_hash is None:
+        return model, None
+    return model, await client.get_blob(outer_hash, max_bytes=2 * max_model_bytes)
+
+
+async def publish_run(ledger_url: str, bundle: RunBundle) -> dict[str, Any]:
+    """Upload the spec, dataset and genesis model to the ledger (one multipart request)."""
+    async with LedgerClient(ledger_url, retry_for=60.0) as client:
+        return await client.post_multipart(
+            "/v1/runs",
+            [("spec", bundle.signed.encode(), "application/json"),
+             ("dataset", bundle.dataset, "application/octet-stream"),
+             ("genesis", bundle.genesis, "application/octet-stream")])

@@ -1,45 +1,37 @@
-"""The worker node: join a run, train each round, submit signed payloads.
+"""The worker node: join a run over HTTP, train each round, submit signed payloads.
 
 Each round: read the round from the ledger, check the base model against its
 certificate, derive this worker's data assignment, run H inner steps, encode
 the pseudo-gradient with error feedback, sign and submit it, and keep the
 ledger's signed receipt. Progress survives restarts: receipts and the
 error-feedback residual are written atomically under ``state_dir``, and a
-round that was already submitted is never submitted again.
-
-``attack`` turns the node into one of the cheaters used to evaluate the
-protocol (the demo's free rider and sign flipper); it is not for production.
+round that was already submitted is never submitted again (workers/state.py). The
+round's work itself is workers/round.py, sans I/O.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
-import shutil
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from veritrain.ledger.client import LedgerClient, LedgerRefused, fetch_base_files, fetch_run
+from veritrain.protocol.certificates import verify_certificate
+from veritrain.protocol.identity import Identity
+from veritrain.protocol.messages import Receipt, Registration, open_signed, sign
+from veritrain.protocol.runtime import RunContext
+from veritrain.protocol.tensors import sha256_hex
 
-from .certificates import verify_certificate
-from .client import LedgerClient, LedgerRefused
-from .codecs import ErrorFeedback
-from .follow import fetch_base, fetch_run
-from .identity import Identity
-from .masked_worker import SECAGG_ATTACKS, take_part
-from .messages import Receipt, Registration, Signed, Submission, open_signed, sign
-from .runtime import RunContext
-from .tensors import sha256_hex
+from .masked import SECAGG_ATTACKS, take_part
+from .round import ATTACKS, prepare_submission
+from .state import WorkerState
 
 log = logging.getLogger("veritrain.worker")
-
-ATTACKS = ("free_rider", "sign_flip") + SECAGG_ATTACKS
 
 
 @dataclass
@@ -52,69 +44,6 @@ class WorkerConfig:
     retry_for: float = 300.0
     attack: str | None = None
     progress: bool = True
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-class WorkerState:
-    """What a worker must remember across restarts, kept as small files."""
-
-    def __init__(self, root: Path, run_id: str, numel: int) -> None:
-        self.dir = root / run_id
-        (self.dir / "receipts").mkdir(parents=True, exist_ok=True)
-        self.numel = numel
-        ef_path = self.dir / "error_feedback.safetensors"
-        self.error_feedback = (ErrorFeedback.from_bytes(ef_path.read_bytes(), numel)
-                               if ef_path.exists() else ErrorFeedback(numel))
-
-    def keep_evidence(self, r: int, evidence: dict[str, bytes]) -> None:
-        """Store a round's trail states and residual until the round is settled."""
-        folder = self.dir / "evidence" / str(r)
-        folder.mkdir(parents=True, exist_ok=True)
-        for digest, data in evidence.items():
-            _atomic_write(folder / digest, data)
-
-    def pending_rounds(self) -> list[int]:
-        root = self.dir / "evidence"
-        return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.exists() else []
-
-    def evidence(self, r: int, digest: str) -> bytes | None:
-        path = self.dir / "evidence" / str(r) / digest
-        return path.read_bytes() if path.exists() else None
-
-    def settle(self, r: int) -> None:
-        """The round is finalized: its evidence is no longer needed."""
-        shutil.rmtree(self.dir / "evidence" / str(r), ignore_errors=True)
-
-    def submitted(self, r: int) -> bool:
-        return (self.dir / "receipts" / f"{r}.json").exists()
-
-    def record(self, r: int, receipt: dict[str, Any] | None, error_feedback: ErrorFeedback) -> None:
-        """Persist the residual first, then the receipt that marks the round done."""
-        _atomic_write(self.dir / "error_feedback.safetensors", error_feedback.to_bytes())
-        self.error_feedback = error_feedback
-        _atomic_write(self.dir / "receipts" / f"{r}.json",
-                      json.dumps(receipt, sort_keys=True).encode())
-
-
-def apply_attack(attack: str | None, delta: torch.Tensor, seed: int) -> torch.Tensor:
-    """The update a cheating worker sends instead of ``delta`` (evaluation only)."""
-    if attack is None or attack in SECAGG_ATTACKS:  # those cheat on the board, not the update
-        return delta
-    if attack == "sign_flip":
-        return -delta
-    if attack == "free_rider":
-        gen = torch.Generator().manual_seed(seed)
-        noise = torch.randn(delta.shape, generator=gen)
-        return noise * (float(torch.linalg.vector_norm(delta)) / float(torch.linalg.vector_norm(noise)))
-    raise ValueError(f"unknown attack {attack!r}; expected one of {ATTACKS}")
 
 
 @dataclass
@@ -219,7 +148,8 @@ class WorkerNode:
                     return params
                 log.warning("round %d: the broadcast update does not reproduce the certified "
                             "model here; downloading it in full", r)
-        params, outer = await fetch_base(client, run, info)
+        params, outer = run.decode_base(*await fetch_base_files(
+            client, run.spec, info, max_model_bytes=run.max_model_bytes))
         self.bytes_down += 4 * run.numel * (1 if r == 0 else 3)
         self.local = LocalModel(r, params, outer.momentum, target)
         return params
@@ -306,59 +236,3 @@ async def answer_challenges_once(client: LedgerClient, run_id: str, me: str,
             log.info("round %d: revealed %d file(s) for segments %s", r, sent, mine["segments"])
 
 
-@dataclass
-class PreparedSubmission:
-    signed: Signed[Submission]
-    payload: bytes
-    error_feedback: ErrorFeedback  # the residual to keep once the submission is accepted
-    delta: torch.Tensor  # what the worker meant to send, before encoding
-    evidence: dict[str, bytes]  # content hash -> trail state or residual file, for reveals
-
-
-def prepare_submission(
-    run: RunContext,
-    identity: Identity,
-    r: int,
-    base_flat: torch.Tensor,
-    base_hash: str,
-    error_feedback: ErrorFeedback,
-    *,
-    attack: str | None = None,
-    device: str = "cpu",
-    progress: Callable[[int, float], None] | None = None,
-    replace_delta: torch.Tensor | None = None,
-) -> PreparedSubmission:
-    """Train, encode with error feedback and sign one round's submission (no I/O).
-
-    The worker node and the in-process swarm both call this, so they follow
-    one code path. ``replace_delta`` lets an evaluation harness send a crafted
-    update (an omniscient attack) through the same encoding and signing.
-    """
-    me = identity.public_key.hex()
-    ef_bytes = error_feedback.to_bytes()
-    evidence = {sha256_hex(ef_bytes): ef_bytes}
-    if replace_delta is not None or attack == "free_rider":
-        delta = replace_delta if replace_delta is not None else apply_attack(
-            "free_rider", torch.full_like(base_flat, 1e-3), run.codec_seed(r, me))
-        trail = [sha256_hex(f"{me}{r}{i}".encode()) for i in range(len_trail(run))]
-        losses = [0.0]
-    else:
-        result = run.train(base_flat, r, me, device=device, progress=progress,
-                           keep_states=True)
-        delta = apply_attack(attack, result.delta, run.codec_seed(r, me))
-        trail, losses = result.trail, result.losses
-        evidence.update((st.hash(), st.to_bytes()) for st in result.states[1:])
-    ef = ErrorFeedback.from_bytes(ef_bytes, run.numel)
-    payload, _ = ef.step(run.codec, delta, seed=run.codec_seed(r, me),
-                         decay=run.spec.feedback_decay)
-    sub = Submission(
-        run_id=run.spec.run_id, round=r, worker=me, base_model_hash=base_hash,
-        payload_hash=sha256_hex(payload), payload_bytes=len(payload), codec=run.spec.codec,
-        samples=run.inner.steps * run.inner.batch_size, trail=trail,
-        ef_hash=sha256_hex(ef_bytes), loss_first=float(losses[0]),
-        loss_last=float(losses[-1]), created_at=int(time.time()))
-    return PreparedSubmission(sign(identity, sub), payload, ef, delta, evidence)
-
-
-def len_trail(run: RunContext) -> int:
-    return run.inner.steps // run.inner.trail_every
