@@ -1,5 +1,6 @@
-"""Read endpoints for auditors: paged and filtered lists, CSV and JSON exports,
-the signed export file, /metrics and the OpenAPI document (specs/ledger-api.md).
+"""Read endpoints for auditors: paged and filtered lists, CSV and JSON exports, the
+event log, a worker's history, the run report, rejections, the signed export file,
+/metrics and the OpenAPI document (specs/ledger-api.md).
 
 All reads are public. Whole-table exports stream: rows are read in batches on
 a thread of their own while earlier batches are sent.
@@ -20,12 +21,12 @@ from aiohttp import web
 from sqlalchemy.orm import Session
 from veritrain.protocol.errors import EncodingError
 
-from . import lists
+from . import lists, queries
+from .api_base import LEDGER, Ledger, int_param
 from .export import export_lines
 from .metrics import CONTENT_TYPE, METRICS, db_gauges, render
 from .openapi import build_document
 from .ratelimit import LIMITS
-from .server import LEDGER, Ledger, int_param
 
 routes = web.RouteTableDef()
 CHUNK_ROWS = 500
@@ -203,3 +204,38 @@ async def metrics(request: web.Request) -> web.Response:
 @routes.get("/openapi.json")
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(build_document())
+
+
+@routes.get("/v1/runs/{run_id}/workers/{worker}")
+async def worker_history(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(
+        lambda s: queries.worker_history(
+            s, request.match_info["run_id"], request.match_info["worker"],
+            offset=int_param(request, "offset", 0) or 0,
+            limit=int_param(request, "limit", 100) or 100)))
+
+
+@routes.get("/v1/runs/{run_id}/report")
+async def run_report(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(queries.run_report, request.match_info["run_id"]))
+
+
+@routes.get("/v1/runs/{run_id}/events")
+async def events(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(
+        queries.events_page, request.match_info["run_id"],
+        int_param(request, "after", -1), int_param(request, "limit", 500)))
+
+
+@routes.get("/v1/runs/{run_id}/rejections")
+async def rejections(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(
+        lambda s: queries.rejections_page(
+            s, request.match_info["run_id"], round_index=int_param(request, "round"),
+            signer=request.query.get("signer"), reason=request.query.get("reason"),
+            offset=int_param(request, "offset", 0) or 0,
+            limit=int_param(request, "limit", 100) or 100)))

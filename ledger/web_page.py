@@ -19,8 +19,8 @@ from veritrain.protocol.errors import RejectedInput
 
 from . import lists, queries
 from . import schema as t
+from .api_base import LEDGER
 from .charts import loss_chart, verdict_chart
-from .server import LEDGER
 
 STATIC = Path(__file__).resolve().parent / "static"
 STATIC_TYPES = {".css": "text/css", ".js": "text/javascript"}

@@ -1,0 +1,167 @@
+"""What every route module of the ledger API shares.
+
+The app's state under typed keys (:data:`LEDGER`, the verified signer of a write
+under :data:`SIGNER`), refusals as ``application/problem+json`` with a stable
+``reason`` and its HTTP status, and the helpers that parse paths and queries and
+read bounded request bodies. The route modules (node_api.py, audit_api.py,
+web_page.py) import this module and nothing of each other; server.py builds the
+app from all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from aiohttp import web
+from veritrain.protocol.encoding import decode_canonical, encode_canonical
+from veritrain.protocol.errors import EncodingError
+
+from .blobs import BlobStore
+from .ingest import SubmissionBatcher
+from .ratelimit import charge_signer
+from .store import LedgerStore
+from .uploads import (
+    BodyClock,
+    UploadPolicy,
+    body_clock,
+    next_part,
+    read_body,
+    read_part_bytes,
+    stream_to_blob,
+)
+
+T = TypeVar("T")
+
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_MODEL_BYTES = 1 << 32
+STATUS_BY_REASON = {
+    "not_found": 404,
+    "duplicate": 409,
+    "wrong_state": 409,
+    "oversized": 413,
+    "bad_signature": 401,
+    "unknown_worker": 403,
+    "unknown_validator": 403,
+    "banned": 403,
+    "sealed": 403,
+    "upload_timeout": 408,
+    "shard_list_fixed": 409,
+    "round_finalized": 409,
+    "not_sharded": 409,
+    "wrong_shard": 403,
+    "not_masked": 409,
+    "wrong_sealed_list": 409,
+    "phase_closed": 409,
+    "not_expected": 403,
+    "wrong_bucket": 403,
+    "not_challenged": 403,
+}
+
+
+@dataclass
+class LedgerConfig:
+    data_dir: Path
+    db_url: str
+    tick_seconds: float = 0.2
+    max_dataset_bytes: int = 1 << 30
+    # Token buckets (ratelimit.py): requests per second and burst; a rate of 0 disables.
+    ip_rate: float = 200.0
+    ip_burst: float = 400.0
+    key_rate: float = 5.0
+    key_burst: float = 20.0
+    # How slow a request body may arrive (uploads.py) and how long an idle or
+    # half-sent request may hold a connection (aiohttp's keep-alive timeout).
+    uploads: UploadPolicy = field(default_factory=UploadPolicy)
+    keepalive_seconds: float = 30.0
+
+
+@dataclass
+class Ledger:
+    """Shared state of one ledger server."""
+
+    store: LedgerStore
+    blobs: BlobStore
+    config: LedgerConfig
+    writer: ThreadPoolExecutor
+    readers: ThreadPoolExecutor
+    #: Submissions that arrive while the writer is busy share its next transaction.
+    batcher: SubmissionBatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.batcher = SubmissionBatcher(self.store, self.writer)
+
+    async def write(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.writer, fn, *args)
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        def run() -> T:
+            with self.store.sessions() as s:
+                return fn(s, *args)
+
+        return await asyncio.get_running_loop().run_in_executor(self.readers, run)
+
+
+LEDGER = web.AppKey("ledger", Ledger)
+SIGNER = web.RequestKey("signer", str)
+
+
+def set_signer(request: web.Request, signer: str) -> None:
+    """Note a write's verified signer and charge its rate-limit bucket (may raise 429)."""
+    request[SIGNER] = signer
+    charge_signer(request, signer)
+
+
+def problem(status: int, reason: str, detail: str) -> web.Response:
+    body = {"type": f"https://veritrain.dev/problems/{reason}", "title": reason,
+            "status": status, "reason": reason, "detail": detail}
+    return web.json_response(body, status=status, content_type="application/problem+json")
+
+
+def canonical_json(value: Any, status: int = 200) -> web.Response:
+    return web.Response(body=encode_canonical(value), status=status,
+                        content_type="application/json")
+
+
+async def read_message(request: web.Request) -> Any:
+    raw = await read_body(request, clock_of(request), MAX_MESSAGE_BYTES)
+    return decode_canonical(raw, max_bytes=MAX_MESSAGE_BYTES)
+
+
+def clock_of(request: web.Request) -> BodyClock:
+    return body_clock(request, request.app[LEDGER].config.uploads)
+
+
+async def part_bytes(request: web.Request, reader: Any, name: str, limit: int) -> bytes:
+    clock = clock_of(request)
+    return await read_part_bytes(await next_part(reader, name, clock), clock, limit)
+
+
+async def part_to_blob(request: web.Request, reader: Any, name: str, limit: int,
+                       expected: str | None) -> tuple[str, int]:
+    clock = clock_of(request)
+    part = await next_part(reader, name, clock)
+    return await stream_to_blob(request.app[LEDGER].blobs, part.read_chunk, clock, limit,
+                                expected)
+
+
+def int_param(request: web.Request, name: str, default: int | None = None) -> int | None:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    if not raw.lstrip("-").isdigit() or len(raw) > 18:
+        raise EncodingError(f"query parameter {name} must be an integer")
+    return int(raw)
+
+
+def path_round(request: web.Request) -> int:
+    raw = request.match_info["round"]
+    if not raw.isdigit() or len(raw) > 12:
+        raise EncodingError("round must be a non-negative integer")
+    return int(raw)
+
+
