@@ -330,8 +330,8 @@ def process_shard_result(state: AuditState, index: int, publication: ShardPublic
 
 def process_shard_check_share(state: AuditState, index: int, share: ShardCheckShare,
                               signer: str) -> int:
-    """9.3 ``shard_check_share``: "a validator of a sharded run; after the beacon; a share
-    signs exactly the fixed list" (the published results until it is fixed; one per
+    """9.3 ``shard_check_share``: "a validator of a sharded run; after the beacon; ... a
+    share signs exactly the fixed list" (the published results until it is fixed; one per
     validator). Returns the validator's index (full mode checks its BLS share)."""
     idx, rnd = _sharded_round(state, signer, share.validator, share.round)
     if share.results != (rnd.shard_list if rnd.shard_list is not None
@@ -468,8 +468,9 @@ def process_shard_check_fixed(state: AuditState, index: int, body: dict[str, Any
 
 
 def process_shard_fault(state: AuditState, index: int, body: dict[str, Any]) -> None:
-    """9.3 ``shard_fault``: "names a shard that a quorum of recorded findings found faulty,
-    exactly those findings' validators as its reporters; once per shard"."""
+    """9.3 ``shard_fault``: "a `shard_fault` names a shard that a quorum of recorded
+    findings found faulty, exactly those findings' validators as its reporters; once per
+    shard"."""
     spec = get_spec(state)
     rnd = get_round(state, body["round"])
     shard = body["shard"]
@@ -589,7 +590,7 @@ def check_bans_and_penalties(state: AuditState, rnd: RoundState, res: RecordedRe
 
 
 def check_run_finished(state: AuditState, index: int, body: dict[str, Any]) -> None:
-    """9.3 ``run_finished``: "after the last round opened was finalized"."""
+    """9.3 ledger records: "`run_finished` comes after the last round opened was finalized"."""
     if state.current is None or state.current.certified is None:
         raise Bad("run finished with a round not finalized")
 
