@@ -1,7 +1,7 @@
 """The audit's rules: what each kind of chained row must satisfy (specs/protocol.md 9.3).
 
-One function per row kind, named after it, in the order of 9.3's table:
-``process_<kind>`` checks a row against the audit's state and advances it,
+One function per row kind, named after it (the signed rows first, then the
+ledger's records): ``process_<kind>`` checks a row against the audit's state and advances it,
 ``check_<kind>`` checks a row against the state (or the row before it) and
 changes nothing, ``get_*`` reads the state. specs/protocol.md 9.3 names the
 function that implements each row kind's rule.
