@@ -10,7 +10,9 @@ one's first row follows the last row of the chunk before (``seq`` and
 ``prev_hash``), which is the same check every other row gets inside its
 chunk. One **pass** over the scans, in order, then checks what each row claims
 against what came before (the run spec's validator set, the round's
-submissions, its certified result). The signatures are checked in bulk:
+submissions, its certified result): it hands each row to its rule in
+:mod:`veritrain.ledger.audit_rules` (one function per row kind, over the
+audit's state, no I/O). The signatures are checked in bulk, here:
 
 * **fast** (default): the ledger's checkpoint signatures (one per checkpoint,
   each vouching for every row up to it); every run spec, registration, beacon
@@ -42,16 +44,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from veritrain.protocol import bls
-from veritrain.protocol.beacon import (
-    beacon_root,
-    beacon_seed_of,
-    compute_beacon_seed,
-    sealed_list_digest,
-    shard_check_root,
-)
+from veritrain.protocol.beacon import beacon_root, shard_check_root
 from veritrain.protocol.certificates import CERTIFICATE
 from veritrain.protocol.encoding import decode_canonical
 from veritrain.protocol.errors import RejectedInput
@@ -74,9 +71,23 @@ from veritrain.protocol.messages import (
     digest_of,
     open_signed,
 )
-from veritrain.protocol.secagg import round_buckets
 from veritrain.protocol.signing import compute_signing_root, verify_ed25519
 
+from . import audit_rules as rules
+from .audit_rules import (
+    RECORD_RULES,
+    SIGNED_RULES,
+    AuditState,
+    Bad,
+    BadEarlier,
+    Deferred,
+    Lists,
+    RecordedResult,
+    ResultFacts,
+    ResultView,
+    RoundState,
+    take,
+)
 from .blsbatch import batch_fast_aggregate_verify
 from .chain import GENESIS_HASH, ChainRow, is_valid_checkpoint
 
@@ -87,10 +98,6 @@ ALWAYS_OPENED = {"run_spec": RunSpec, "beacon_share": BeaconShare,
                  "secagg_keys": SecaggKeys, "secagg_deal": SecaggDeal,
                  "secagg_masked_input": SecaggMasked, "secagg_reveal": SecaggReveal,
                  "secagg_opening": SecaggOpening}
-#: A masked round's board posts: chain kind -> (board kind, the field naming the sender).
-SECAGG_POSTS = {"secagg_keys": ("keys", "worker"), "secagg_deal": ("deal", "dealer"),
-                "secagg_masked_input": ("masked", "worker"), "secagg_reveal": ("reveal", "holder"),
-                "secagg_opening": ("opening", "worker")}
 #: Fields of a verdict row served by the API that must equal the certified result.
 VIEW_FIELDS = ("status", "reason", "detail", "spot_checked", "distance", "samples", "quality",
                "score", "reward")
@@ -125,38 +132,11 @@ class AuditResult:
         return dict(self.__dict__) | {"ok": self.ok}
 
 
-class Bad(Exception):
-    """A row that fails a check (raised inside the pass, turned into the result)."""
-
-
-class BadEarlier(Exception):
-    """An earlier row (``index``, of ``kind``) turns out to be wrong once a later row is read."""
-
-    def __init__(self, index: int, kind: str, problem: str) -> None:
-        super().__init__(problem)
-        self.index = index
-        self.kind = kind
-
-
-@dataclass(frozen=True)
-class Deferred:
-    """A problem met while deriving a value ahead of the pass (possibly in another process):
-    the pass raises it where it reads the value, so the same row fails with the same text."""
-
-    problem: str
-
-
 def _attempt(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except ROW_ERRORS as exc:
         return Deferred(str(exc))
-
-
-def _take(value: Any) -> Any:
-    if isinstance(value, Deferred):
-        raise Bad(value.problem)
-    return value
 
 
 # ----------------------------------------------------------------------------- jobs
@@ -169,36 +149,22 @@ def _open(row: ChainRow, cls: type[Any]) -> Any:
     return open_signed(decode_canonical(row.body, max_bytes=MAX_BODY), cls)
 
 
-def _job_submission(rows: RowsAt, i: int, ctx: dict[str, Any]) -> str | None:
+def _job_submission(rows: RowsAt, i: int, ctx: dict[str, Any]) -> None:
     row = rows[i]
     signed = _open(row, Submission)
-    sub = signed.message
-    if signed.signer != sub.worker:
-        return "submission signed by a key other than its worker"
-    if sub.run_id != row.run_id or sub.round != ctx["round"]:
-        return f"submission for round {sub.round} recorded in round {ctx['round']}"
-    return None
+    rules.check_submission(signed.message, signed.signer, row.run_id, ctx["round"])
 
 
-def _job_receipt(rows: RowsAt, i: int, ctx: dict[str, Any]) -> str | None:
-    row = rows[i]
-    signed = _open(row, Receipt)
-    rec = signed.message
-    if signed.signer != ctx["ledger_key"]:
-        return "receipt not signed by this ledger"
-    before = rows[i - 1] if i > 0 else None
-    if (before is None or before.kind != "submission" or rec.sequence != before.seq
-            or rec.submission_digest != hashlib.sha256(before.body).hexdigest()):
-        return "receipt does not name the submission row before it"
-    return None
+def _job_receipt(rows: RowsAt, i: int, ctx: dict[str, Any]) -> None:
+    signed = _open(rows[i], Receipt)
+    rules.check_receipt(signed.message, signed.signer, ctx["ledger_key"],
+                        rows[i - 1] if i > 0 else None)
 
 
-def _job_registration(rows: RowsAt, i: int, ctx: dict[str, Any]) -> str | None:
+def _job_registration(rows: RowsAt, i: int, ctx: dict[str, Any]) -> None:
     row = rows[i]
     signed = _open(row, Registration)
-    if signed.message.run_id != row.run_id or signed.signer != signed.message.participant:
-        return "registration of another run or signed by another key"
-    return None
+    rules.check_registration(signed.message, signed.signer, row.run_id)
 
 
 def _job_checkpoint(rows: RowsAt, i: int, ctx: dict[str, Any]) -> str | None:
@@ -247,6 +213,8 @@ def _run_jobs(jobs: Sequence[Job], rows: RowsAt) -> list[tuple[int, str]]:
     for i, kind, ctx in jobs:
         try:
             problem = JOBS[kind](rows, i, ctx)
+        except Bad as exc:  # the row's rule
+            problem = str(exc)
         except ROW_ERRORS as exc:
             problem = f"{rows[i].kind}: {exc}"
         if problem is not None:
@@ -301,22 +269,6 @@ _RESULT_TAIL = re.compile(rb',"kind":"round_result","signature":"([0-9a-f]{128})
 _RESULT_TAIL_LEN = len(',"kind":"round_result","signature":"","signer":""}') + 128 + 64
 _RESULT_KEYS = frozenset({"attestation", "base_model_hash", "beacon_seed", "certified", "round",
                           "run_id", "scores", "validator", "verdicts"})
-
-
-@dataclass(frozen=True)
-class ResultView:
-    """The fields of a round result the audit uses (fast mode). ``verdicts`` and ``scores``
-    are None once their :class:`ResultFacts` are derived and the result has travelled
-    between processes without them (they are parsed again from the row when needed)."""
-
-    run_id: str
-    round: int
-    validator: str
-    base_model_hash: str
-    beacon_seed: str
-    verdicts: list[dict[str, Any]] | None
-    scores: list[dict[str, Any]] | None
-    certified: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -437,21 +389,16 @@ def _compact(values: list[Any]) -> Sequence[Any]:
 
 
 @dataclass(frozen=True)
-class ResultFacts:
-    """What the audit reads of a result's verdicts and scores, derived where they were
-    parsed so the lists need not travel between processes. Each is its value or the
-    :class:`Deferred` problem its derivation raised."""
+class ResultFactsAndViews(ResultFacts):
+    """A result's :class:`ResultFacts` (what the rules read) and what the report reads of
+    it: its contribution to the per-worker totals and its verdict rows' export lines."""
 
-    verdicts_digest: str | Deferred
-    scores_digest: str | Deferred
-    submission_digests: list[str] | Deferred  # sorted
-    failed: set[str] | Deferred  # workers whose spot check failed
     totals: Totals | Deferred
     lines: bytes | None  # render_view_lines, when asked for
 
     @classmethod
     def of(cls, r: int, verdicts: Sequence[dict[str, Any]], scores: Sequence[dict[str, Any]],
-           *, render: bool) -> ResultFacts:
+           *, render: bool) -> ResultFactsAndViews:
         views = _attempt(lambda: certified_views(r, verdicts, scores))
         totals = views if isinstance(views, Deferred) else Totals.of(views)
         return cls(
@@ -463,6 +410,12 @@ class ResultFacts:
             totals=totals,
             lines=render_view_lines(views) if render and not isinstance(views, Deferred)
             else None)
+
+
+def _views_facts(res: RecordedResult) -> ResultFactsAndViews:
+    facts = res.facts
+    assert isinstance(facts, ResultFactsAndViews), "the pass records its results' views"
+    return facts
 
 
 # ----------------------------------------------------------------------------- the scan
@@ -535,14 +488,15 @@ def _prepare_record(row: ChainRow) -> Any:
         return Deferred(str(exc))
 
 
-def _prepare_result(row: ChainRow, render: bool) -> tuple[_Opened, ResultFacts] | Deferred:
+def _prepare_result(row: ChainRow, render: bool
+                    ) -> tuple[_Opened, ResultFactsAndViews] | Deferred:
     try:
         opened = open_result(row.body)
     except (Bad, *ROW_ERRORS) as exc:
         return Deferred(str(exc))
     res = opened.message
     assert res.verdicts is not None and res.scores is not None
-    return opened, ResultFacts.of(res.round, res.verdicts, res.scores, render=render)
+    return opened, ResultFactsAndViews.of(res.round, res.verdicts, res.scores, render=render)
 
 
 class Scanner:
@@ -654,65 +608,29 @@ def scan_rows(rows: Sequence[ChainRow], *, full: bool = False) -> Scan:
 Loader = Callable[[list[int]], Mapping[int, ChainRow]]
 
 
-@dataclass
-class _Result:
-    """A recorded round result: its row, the message and the facts of its lists."""
-
-    index: int
-    row: ChainRow
-    message: RoundResult | ResultView
-    facts: ResultFacts
-    load: Loader | None = None  # reads the row again if it travelled without its body
-
-    def lists(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """The verdicts and scores, parsed again from the row if they travelled without."""
-        msg = self.message
-        if msg.verdicts is None or msg.scores is None:
-            row = self.row
-            if not row.body and self.load is not None:
-                row = self.load([self.index])[self.index]
-            msg = open_result(row.body).message
-        assert msg.verdicts is not None and msg.scores is not None
-        return msg.verdicts, msg.scores
-
-
-@dataclass
-class _Round:
-    index: int
-    base: str
-    submissions: dict[str, int] = field(default_factory=dict)  # digest -> row index
-    closed: list[str] | None = None
-    sealed: str | None = None  # sealed_list_digest(closed), once closed
-    shares: dict[int, str] = field(default_factory=dict)  # validator -> its logged BLS share
-    beacon_seed: str | None = None
-    results: list[_Result] = field(default_factory=list)
-    shard_results: list[str | None] | None = None  # result digests by shard, once published
-    shard_list: list[str | None] | None = None
-    shard_shares: dict[int, str] = field(default_factory=dict)  # validator -> BLS share
-    shard_seed: str | None = None
-    shard_findings: dict[tuple[int, int], bool] = field(default_factory=dict)  # -> faulty
-    shard_faults: set[int] = field(default_factory=set)
-    secagg_bucket_of: dict[str, int] | None = None  # worker -> bucket, once dealt
-    secagg_posts: set[tuple[str, str]] = field(default_factory=set)  # (board kind, sender)
-    bans: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
-    penalties: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
-    certified: _Result | None = None
+def _reread_lists(row: ChainRow, index: int, load: Loader | None) -> Lists:
+    """A round result's verdicts and scores parsed again from its row (read again with
+    ``load`` if it travelled without its body)."""
+    if not row.body and load is not None:
+        row = load([index])[index]
+    msg = open_result(row.body).message
+    assert msg.verdicts is not None and msg.scores is not None
+    return msg.verdicts, msg.scores
 
 
 class _Pass:
-    """Sequential checks of one run's scanned rows; collects the signature jobs."""
+    """Sequential checks of one run's scanned rows: each row to its rule
+    (:mod:`veritrain.ledger.audit_rules`) over the audit's state, in order; collects the
+    signature jobs and the certified results' totals."""
 
     def __init__(self, ledger_key: bytes, full: bool, load: Loader | None = None) -> None:
         self.load = load
         self.ledger_key = ledger_key.hex()
         self.full = full
         self.out = AuditResult(mode="full" if full else "fast")
-        self.spec: RunSpec | None = None
-        self.rounds: dict[int, _Round] = {}
-        self.current: _Round | None = None
-        self.next_base: str | None = None
+        self.state = AuditState()
         self.jobs: list[Job] = []
-        self.certified: list[_Result] = []  # in the order the rounds were finalized
+        self.certified: list[RecordedResult] = []  # in the order the rounds were finalized
         self._sums: dict[str, list[Any]] = {}
 
     def run(self, scans: Iterable[Scan]) -> tuple[int, str] | None:
@@ -752,7 +670,7 @@ class _Pass:
             counts[kind] = counts.get(kind, 0) + 1
             try:
                 if kind == "registration":
-                    self._need_spec()  # its signature: row_jobs()
+                    rules.get_spec(self.state)  # the rest of its rule: row_jobs()
                 else:
                     self._other(i, row, prepared.get(k))
             except Bad as exc:
@@ -766,21 +684,22 @@ class _Pass:
 
     def _run_of_submissions(self, scan: Scan, base: int, start: int, stop: int, at: int
                             ) -> tuple[tuple[int, str] | None, int]:
-        """Rows ``[start, stop)`` of a scan, all submissions and receipts: each submission is
-        recorded in the open round under its digest. The first failing row, if any, and
-        where the next run starts among the scan's submissions."""
+        """Rows ``[start, stop)`` of a scan, all submissions and receipts: the submissions
+        go to their rule at once (:func:`audit_rules.process_submissions`). The first
+        failing row, if any, and where the next run starts among the scan's submissions."""
         if start >= stop:
             return None, at
         subs = scan.subs
         end = bisect_left(subs, stop, at)
-        rnd = self.current
-        if end > at and (rnd is None or rnd.closed is not None):
-            stop = subs[at] + 1  # the rows up to that submission are counted
-            end = at + 1
-            bad: tuple[int, str] | None = (base + subs[at],
-                                           "submission: no open round to record it in")
-        else:
-            bad = None
+        bad: tuple[int, str] | None = None
+        if end > at:
+            try:
+                rules.process_submissions(self.state, map(base.__add__, subs[at:end]),
+                                          scan.sub_digests[at:end])
+            except Bad as exc:
+                stop = subs[at] + 1  # the rows up to that submission are counted
+                end = at + 1
+                bad = (base + subs[at], f"submission: {exc}")
         n_subs, counts = end - at, self.out.kinds
         first_is_sub = n_subs > 0 and subs[at] == start
         for kind, n in ((("submission", n_subs), ("receipt", stop - start - n_subs))
@@ -790,13 +709,8 @@ class _Pass:
                 counts[kind] = counts.get(kind, 0) + n
         if bad is not None:
             return bad, end
-        assert rnd is not None or n_subs == 0
-        if n_subs:
-            assert rnd is not None
-            rnd.submissions.update(zip(scan.sub_digests[at:end],
-                                       map(base.__add__, subs[at:end]), strict=True))
         if self.full:
-            is_sub = set(subs[at:end])
+            rnd, is_sub = self.state.current, set(subs[at:end])
             for k in range(start, stop):
                 if k in is_sub:
                     assert rnd is not None
@@ -805,317 +719,66 @@ class _Pass:
                     self.jobs.append((base + k, "receipt", {"ledger_key": self.ledger_key}))
         return None, end
 
-    # -- per kind
-
     def _other(self, i: int, row: ChainRow, prepared: Any) -> None:
+        """One row that is neither a submission, a receipt nor a registration: a signed row
+        opened (its signature verified) or a ledger record parsed, then its rule."""
         kind = row.kind
-        if i == 0 and kind != "run_spec":
-            raise Bad("the first row must be the run spec")
+        rules.check_first_row(i, kind)
         if kind == "round_result" and not self.full:
             self.out.signatures += 1
-            opened, facts = _take(prepared)
-            self._round_result(i, row, opened, facts)
+            opened, facts = take(prepared)
+            self._round_result(i, row, opened.message, opened.signer, facts)
             return
         if kind in ALWAYS_OPENED:
             signed = open_signed(decode_canonical(row.body, max_bytes=MAX_BODY),
                                  ALWAYS_OPENED[kind])
             self.out.signatures += 1
-            if kind == "round_result":
-                res = signed.message
-                self._round_result(i, row, signed, ResultFacts.of(
-                    res.round, res.verdicts, res.scores, render=False))
-            elif kind in SECAGG_POSTS:
-                self._secagg_post(kind, signed)
-            else:
-                getattr(self, "_" + kind)(i, row, signed)
+            self._signed(i, row, signed.message, signed.signer)
             return
-        body = _take(prepared) if prepared is not None else _record_body(row)
-        if not isinstance(body, dict):
-            raise Bad("a ledger record is a JSON object")
-        if body.get("run_id") != row.run_id:
-            raise Bad("record of another run")
-        handler = getattr(self, "_rec_" + kind, None)
-        if handler is not None:
-            handler(i, body)
+        body = rules.check_ledger_record(
+            take(prepared) if prepared is not None else _record_body(row), row.run_id)
+        rule = RECORD_RULES.get(kind)
+        if rule is not None:
+            finalized = rule(self.state, i, body)
+            if finalized is not None:  # round_finalized: the round it certified
+                self._add_certified(finalized)
 
-    def _need_spec(self) -> RunSpec:
-        if self.spec is None:
-            raise Bad("before the run spec")
-        return self.spec
-
-    def _run_spec(self, i: int, row: ChainRow, signed: Any) -> None:
-        if i != 0 or self.spec is not None:
-            raise Bad("a second run spec")
-        spec: RunSpec = signed.message
-        if signed.signer != spec.organiser:
-            raise Bad("run spec not signed by its organiser")
-        if spec.run_id != row.run_id:
-            raise Bad("run spec of another run")
-        self.spec = spec
-        self.next_base = spec.genesis_model_hash
-
-    def _validator_index(self, signer: str, named: str) -> int:
-        idx = self._need_spec().validator_index(signer)
-        if idx is None or signer != named:
-            raise Bad("not signed by a validator of this run")
-        return idx
-
-    def _round_of(self, r: int) -> _Round:
-        rnd = self.rounds.get(r)
-        if rnd is None:
-            raise Bad(f"round {r} was never opened")
-        return rnd
-
-    def _beacon_share(self, i: int, row: ChainRow, signed: Any) -> None:
-        share: BeaconShare = signed.message
-        idx = self._validator_index(signed.signer, share.validator)
-        rnd = self._round_of(share.round)
-        if rnd.closed is None:
-            raise Bad("beacon share before the round closed")
-        if share.sealed != rnd.sealed:
-            raise Bad("beacon share names another sealed list than the round's")
-        rnd.shares.setdefault(idx, share.share)
-        if self.full:
-            self.jobs.append((i, "share", {"bls": self._need_spec().validators[idx]["bls"]}))
-
-    def _sharded_round(self, signer: str, named: str, r: int, *, open_only: bool = True
-                       ) -> tuple[int, _Round]:
-        spec = self._need_spec()
-        idx = self._validator_index(signer, named)
-        rnd = self._round_of(r)
-        if not spec.shards:
-            raise Bad("shard message in a run that does not shard")
-        if rnd.beacon_seed is None:
-            raise Bad("shard message before the round's beacon was fixed")
-        if open_only and rnd.certified is not None:
-            raise Bad("shard result or check share after the round was finalized")
-        if rnd.shard_results is None:
-            rnd.shard_results = [None] * spec.shards
-        return idx, rnd
-
-    def _shard_result(self, i: int, row: ChainRow, signed: Any) -> None:
-        pub: ShardPublication = signed.message
-        idx, rnd = self._sharded_round(signed.signer, pub.validator, pub.round)
-        assert rnd.shard_results is not None
-        if pub.shard != idx or rnd.shard_results[idx] is not None or rnd.shard_list is not None:
-            raise Bad("shard result for another shard, repeated, or after the list was fixed")
-        rnd.shard_results[idx] = pub.result_digest
-
-    def _shard_check_share(self, i: int, row: ChainRow, signed: Any) -> None:
-        share: ShardCheckShare = signed.message
-        idx, rnd = self._sharded_round(signed.signer, share.validator, share.round)
-        if share.results != (rnd.shard_list if rnd.shard_list is not None
-                             else rnd.shard_results) or idx in rnd.shard_shares:
-            raise Bad("check share over another list than the published results, or repeated")
-        if self.full and not bls.verify(
-                bytes.fromhex(self._need_spec().validators[idx]["bls"]),
-                shard_check_root(share.run_id, share.round, share.results),
-                bytes.fromhex(share.share)):
+    def _signed(self, i: int, row: ChainRow, message: Any, signer: str) -> None:
+        """A signed row's rule; in full mode also its BLS share (a job for a beacon share)."""
+        kind, state = row.kind, self.state
+        if kind == "run_spec":
+            rules.process_run_spec(state, i, message, signer, row.run_id)
+            return
+        if kind == "round_result":
+            self._round_result(i, row, message, signer, ResultFactsAndViews.of(
+                message.round, message.verdicts, message.scores, render=False))
+            return
+        idx = SIGNED_RULES[kind](state, i, message, signer)
+        if not self.full or idx is None:
+            return
+        bls_key = rules.get_spec(state).validators[idx]["bls"]
+        if kind == "beacon_share":
+            self.jobs.append((i, "share", {"bls": bls_key}))
+        elif kind == "shard_check_share" and not bls.verify(
+                bytes.fromhex(bls_key), shard_check_root(message.run_id, message.round,
+                                                         message.results),
+                bytes.fromhex(message.share)):
             raise Bad("shard check share does not verify")
-        rnd.shard_shares[idx] = share.share
 
-    def _shard_finding(self, i: int, row: ChainRow, signed: Any) -> None:
-        found: ShardFindingReport = signed.message
-        idx, rnd = self._sharded_round(signed.signer, found.validator, found.round,
-                                       open_only=False)
-        spec = self._need_spec()
-        if rnd.shard_seed is None or rnd.shard_list is None:
-            raise Bad("finding before the round's check seed was fixed")
-        if (found.shard == idx or not 0 <= found.shard < len(rnd.shard_list)
-                or found.published_digest != rnd.shard_list[found.shard]
-                or found.publisher != spec.validators[found.shard]["ed25519"]):
-            raise Bad("finding about a shard result that is not another validator's listed one")
-        if (idx, found.shard) in rnd.shard_findings:
-            raise Bad("a second finding of one validator on one shard")
-        rnd.shard_findings[(idx, found.shard)] = found.faulty
+    def _round_result(self, i: int, row: ChainRow, message: RoundResult | ResultView,
+                      signer: str, facts: ResultFacts) -> None:
+        rules.process_round_result(self.state, i, message, signer, facts,
+                                   partial(_reread_lists, row, i, self.load))
 
-    def _rec_shard_list_fixed(self, i: int, body: dict[str, Any]) -> None:
-        rnd = self._round_of(body["round"])
-        if rnd.shard_list is not None or body["results"] != rnd.shard_results:
-            raise Bad("fixed shard list differs from the published results")
-        rnd.shard_list = body["results"]
-
-    def _rec_shard_check_fixed(self, i: int, body: dict[str, Any]) -> None:
-        spec = self._need_spec()
-        rnd = self._round_of(body["round"])
-        signers = body["signers"]
-        if len(set(signers)) != len(signers) or len(signers) < spec.quorum or signers != sorted(
-                signers) or any(not 0 <= k < len(spec.validators) for k in signers):
-            raise Bad("shard check signers are not a quorum of the validator set")
-        if rnd.shard_seed is not None or [rnd.shard_shares.get(k) for k in signers] != body[
-                "shares"]:
-            raise Bad("shard check seed fixed twice, or from shares that were not recorded")
-        if body["results"] != rnd.shard_list or body["seed"] != compute_beacon_seed(
-                [bytes.fromhex(x) for x in body["shares"]]).hex():
-            raise Bad("shard check seed does not follow from its list and shares")
-        rnd.shard_seed = body["seed"]
-
-    def _rec_shard_fault(self, i: int, body: dict[str, Any]) -> None:
-        spec = self._need_spec()
-        rnd = self._round_of(body["round"])
-        shard = body["shard"]
-        reporters = sorted(k for (k, sh), faulty in rnd.shard_findings.items()
-                           if sh == shard and faulty)
-        if shard in rnd.shard_faults or body["reporters"] != reporters or len(
-                reporters) < spec.quorum:
-            raise Bad("shard fault without a quorum of recorded faulty findings")
-        rnd.shard_faults.add(shard)
-
-    def _rec_secagg_started(self, i: int, body: dict[str, Any]) -> None:
-        spec = self._need_spec()
-        rnd = self._round_of(body["round"])
-        if spec.masked is None or rnd.beacon_seed is None or rnd.secagg_bucket_of is not None:
-            raise Bad("buckets dealt in an unmasked run, before the beacon, or twice")
-        buckets = body["buckets"]
-        members = [w for b in buckets for w in b]
-        if (len(set(members)) != len(members) or len(members) > len(rnd.closed or ())
-                or any(len(b) < 2 or b != sorted(b) for b in buckets)):
-            raise Bad("buckets overlap, hold more workers than the sealed list, or are short")
-        if buckets != round_buckets(bytes.fromhex(rnd.beacon_seed), members,
-                                    spec.masked["bucket_size"]):
-            raise Bad("buckets are not the beacon's deal of their members")
-        rnd.secagg_bucket_of = {w: b for b, ws in enumerate(buckets) for w in ws}
-
-    def _secagg_post(self, kind: str, signed: Any) -> None:
-        board_kind, field_name = SECAGG_POSTS[kind]
-        msg = signed.message
-        sender = getattr(msg, field_name)
-        rnd = self._round_of(msg.round)
-        if signed.signer != sender or rnd.secagg_bucket_of is None or (
-                rnd.secagg_bucket_of.get(sender) != msg.bucket):
-            raise Bad("board post not signed by its sender, before the buckets, or from "
-                      "outside the bucket it names")
-        if (board_kind, sender) in rnd.secagg_posts or (
-                board_kind == "opening" and ("masked", sender) not in rnd.secagg_posts):
-            raise Bad("a second board post of one kind, or an opening without a masked input")
-        if rnd.certified is not None:
-            raise Bad("board post after the round was finalized")
-        rnd.secagg_posts.add((board_kind, sender))
-
-    def _round_result(self, i: int, row: ChainRow, signed: Any, facts: ResultFacts) -> None:
-        res: RoundResult | ResultView = signed.message
-        self._validator_index(signed.signer, res.validator)
-        rnd = self._round_of(res.round)
-        cert = CertifiedState.from_body(res.certified)
-        if res.base_model_hash != rnd.base or cert.round != res.round + 1:
-            raise Bad("result for another base model or round")
-        if cert.verdicts_hash != _take(facts.verdicts_digest) or cert.scores_hash != _take(
-                facts.scores_digest):
-            raise Bad("verdicts or scores differ from the certified digests")
-        if rnd.beacon_seed is None or res.beacon_seed != rnd.beacon_seed:
-            raise Bad("result uses another beacon than the round's")
-        rnd.results.append(_Result(i, row, res, facts, self.load))
-
-    def _rec_round_opened(self, i: int, body: dict[str, Any]) -> None:
-        r = body["round"]
-        if self.current is not None and self.current.certified is None:
-            raise Bad("a round opened before the previous one finalized")
-        if r != (0 if self.current is None else self.current.index + 1):
-            raise Bad(f"round {r} opened out of order")
-        if body["base_model_hash"] != self.next_base:
-            raise Bad("base model is not the one the last certificate vouches for")
-        self.current = self.rounds[r] = _Round(r, body["base_model_hash"])
-
-    def _rec_round_closed(self, i: int, body: dict[str, Any]) -> None:
-        rnd = self._round_of(body["round"])
-        if rnd is not self.current or rnd.closed is not None:
-            raise Bad("closes a round that is not open")
-        listed = list(body["submissions"])
-        if set(map(type, listed)) <= {str}:  # as sorted lists, without sorting:
-            # the digests recorded are distinct, so equal multisets are equal sets
-            same = len(listed) == len(rnd.submissions) and set(listed) == rnd.submissions.keys()
-        else:
-            same = sorted(listed) == sorted(rnd.submissions)
-        if not same:
-            raise Bad("sealed list differs from the submissions recorded in the round")
-        rnd.closed = listed
-        rnd.sealed = sealed_list_digest(listed)
-
-    def _rec_beacon_fixed(self, i: int, body: dict[str, Any]) -> None:
-        rnd = self._round_of(body["round"])
-        spec = self._need_spec()
-        signers = body["signers"]
-        if len(set(signers)) != len(signers) or len(signers) != spec.quorum or signers != sorted(
-                signers) or any(not 0 <= k < len(spec.validators) for k in signers):
-            raise Bad("beacon signers are not a quorum of the validator set")
-        if [rnd.shares.get(k) for k in signers] != list(body["shares"]):
-            raise Bad("beacon shares are not the signers' logged beacon_share rows")
-        rnd.beacon_seed = beacon_seed_of({"shares": body["shares"]})
-
-    def _rec_round_finalized(self, i: int, body: dict[str, Any]) -> None:
-        spec = self._need_spec()
-        rnd = self._round_of(body["round"])
-        checked = CERTIFICATE(body["certificate"], "certificate")
-        state = CertifiedState.from_body(checked["certified"])
-        signers = checked["signers"]
-        if state.run_id != spec.run_id or state.round != rnd.index + 1:
-            raise Bad(f"certificate is for {state.run_id} round {state.round}")
-        if len(set(signers)) != len(signers) or len(signers) < spec.quorum or any(
-                k >= len(spec.validators) for k in signers):
-            raise Bad("certificate signers are not a quorum of the validator set")
-        match = [res for res in rnd.results if res.message.certified == checked["certified"]]
-        if not match:
-            raise Bad("no recorded validator result carries the certified state")
-        res = match[0]
-        closed = rnd.closed or []
-        if _take(res.facts.submission_digests) != sorted(closed):
-            raise Bad("certified verdicts do not cover exactly the sealed submissions")
-        self._check_bans(rnd, res)
-        rnd.certified = res
-        self.out.covered_by_certificates += len(closed)
+    def _add_certified(self, rnd: RoundState) -> None:
+        """A finalized round's certified result: counted, and added to the per-worker sums
+        (the views are compared after the pass): [rounds, accepted, rejected, samples,
+        score, reward], made dicts by totals()."""
+        res = rnd.certified
+        assert res is not None
+        self.out.covered_by_certificates += len(rnd.closed or [])
         self.out.certificates += 1  # its BLS signature: certificate_jobs(), run meanwhile
-        self.next_base = state.model_hash
-        self._add_totals(res)
-
-    def _rec_ban(self, i: int, body: dict[str, Any]) -> None:
-        # Written just before the round's certificate: checked when that arrives.
-        rnd = self._round_of(body["round"])
-        if rnd.certified is not None or rnd.closed is None:
-            raise Bad("ban outside the finalization of its round")
-        rnd.bans.append((i, body))
-
-    def _rec_penalty(self, i: int, body: dict[str, Any]) -> None:
-        # A forfeit of an earlier certified reward, written just before the certificate.
-        rnd = self._round_of(body["round"])
-        if rnd.certified is not None or rnd.closed is None:
-            raise Bad("penalty outside the finalization of its round")
-        rnd.penalties.append((i, body))
-
-    def _rec_validator_fault(self, i: int, body: dict[str, Any]) -> None:
-        rnd = self._round_of(body["round"])
-        differs = any(res.message.validator == body["validator"] and digest_of(
-            res.message.certified) == body["result_digest"] != body["certified_digest"]
-            for res in rnd.results)
-        if not differs:
-            raise Bad("fault without a recorded result that differs from the certificate")
-
-    def _check_bans(self, rnd: _Round, res: _Result) -> None:
-        failed = _take(res.facts.failed)
-        spec = self._need_spec()
-        ban_rounds = spec.verification["ban_rounds"]
-        for i, body in rnd.bans:
-            if body["worker"] not in failed or body["reason"] != "spot_check_failed" or body[
-                    "until_round"] != rnd.index + ban_rounds:
-                raise BadEarlier(i, "ban", "ban without a certified failed spot check")
-        vesting = spec.verification.get("vesting_rounds", 0)
-        for i, body in rnd.penalties:
-            src = self.rounds.get(body["source_round"])
-            earned = None if src is None or src.certified is None else next(
-                (sc["reward"] for sc in src.certified.lists()[1]
-                 if sc["worker"] == body["worker"]), None)
-            if (body["worker"] not in failed or earned is None or body["amount"] != earned
-                    or not rnd.index - vesting < body["source_round"] < rnd.index):
-                raise BadEarlier(i, "penalty", "penalty that is not an unvested certified "
-                                 "reward of a worker whose spot check failed")
-
-    def _rec_run_finished(self, i: int, body: dict[str, Any]) -> None:
-        if self.current is None or self.current.certified is None:
-            raise Bad("run finished with a round not finalized")
-
-    def _add_totals(self, res: _Result) -> None:
-        """Per-worker sums of the certified verdicts (the views are compared after the pass):
-        [rounds, accepted, rejected, samples, score, reward], made dicts by totals()."""
-        totals: Totals = _take(res.facts.totals)
+        totals: Totals = take(_views_facts(res).totals)
         self.certified.append(res)
         sums = self._sums
         for worker, accepted, samples, score, reward in totals.rows():
@@ -1143,7 +806,7 @@ class _Pass:
         if self.full:
             return []
         added = []
-        for rnd in self.rounds.values():
+        for rnd in self.state.rounds.values():
             if rnd.certified is None:
                 for i in rnd.submissions.values():
                     if i < upto:
@@ -1163,12 +826,12 @@ class _Pass:
     def expected_lines(self) -> bytes | None:
         """The export lines of every certified verdict row, in the export's order, or None
         where a round's could not be rendered."""
-        parts = [res.facts.lines for res in self.certified]
+        parts = [_views_facts(res).lines for res in self.certified]
         return None if any(p is None for p in parts) else b"".join(parts)  # type: ignore[misc]
 
 
 #: Ledger records the pass checks beyond their run (the others: a JSON object of the run).
-RECORD_CHECKS = frozenset(name[5:] for name in dir(_Pass) if name.startswith("_rec_"))
+RECORD_CHECKS = frozenset(RECORD_RULES)
 
 
 def _name_bad_certificate(total: int, ctx: dict[str, Any], upto: int) -> tuple[int, str]:

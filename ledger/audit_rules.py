@@ -1,0 +1,625 @@
+"""The audit's rules: what each kind of chained row must satisfy (specs/protocol.md 9.3).
+
+One function per row kind, named after it (the signed rows first, then the
+ledger's records): ``process_<kind>`` checks a row against the audit's state and advances it,
+``check_<kind>`` checks a row against the state (or the row before it) and
+changes nothing, ``get_*`` reads the state. specs/protocol.md 9.3 names the
+function that implements each row kind's rule.
+
+Each rule raises :class:`Bad` with what is wrong with its row, or
+:class:`BadEarlier` when it shows an earlier row wrong (a ``ban`` is checked
+when its round's certificate arrives). A body that does not have the shape a
+rule reads raises ``KeyError``, ``TypeError`` or ``ValueError`` (a message
+schema's ``RejectedInput``), which the engine reports for the row as well.
+
+The rules do no I/O and verify no signature: the engine
+(:mod:`veritrain.ledger.verify`) reads and hashes the rows, opens each signed
+row (its Ed25519 signature verified) and hands the message and its signer to
+the row's rule, runs the BLS checks and the signature jobs on its process
+pool, and walks the rows in order, dispatching each one here
+(:data:`SIGNED_RULES`, :data:`RECORD_RULES`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from veritrain.protocol.beacon import beacon_seed_of, compute_beacon_seed, sealed_list_digest
+from veritrain.protocol.certificates import CERTIFICATE
+from veritrain.protocol.messages import (
+    BeaconShare,
+    CertifiedState,
+    Receipt,
+    Registration,
+    RoundResult,
+    RunSpec,
+    ShardCheckShare,
+    ShardFindingReport,
+    ShardPublication,
+    Submission,
+    digest_of,
+)
+from veritrain.protocol.secagg import round_buckets
+
+from .chain import ChainRow
+
+# ----------------------------------------------------------------------------- errors
+
+
+class Bad(Exception):
+    """A row that fails a check (raised inside the pass, turned into the result)."""
+
+
+class BadEarlier(Exception):
+    """An earlier row (``index``, of ``kind``) turns out to be wrong once a later row is read."""
+
+    def __init__(self, index: int, kind: str, problem: str) -> None:
+        super().__init__(problem)
+        self.index = index
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A problem met while deriving a value ahead of the pass (possibly in another process):
+    the pass raises it where it reads the value, so the same row fails with the same text."""
+
+    problem: str
+
+
+def take(value: Any) -> Any:
+    """``value``, or its :class:`Deferred` problem raised as the reading row's :class:`Bad`."""
+    if isinstance(value, Deferred):
+        raise Bad(value.problem)
+    return value
+
+
+# ----------------------------------------------------------------------------- state
+
+
+@dataclass(frozen=True)
+class ResultView:
+    """The fields of a round result the audit uses (fast mode). ``verdicts`` and ``scores``
+    are None once their :class:`ResultFacts` are derived and the result has travelled
+    between processes without them (they are parsed again from the row when needed)."""
+
+    run_id: str
+    round: int
+    validator: str
+    base_model_hash: str
+    beacon_seed: str
+    verdicts: list[dict[str, Any]] | None
+    scores: list[dict[str, Any]] | None
+    certified: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ResultFacts:
+    """What the rules read of a result's verdicts and scores, derived where they were
+    parsed so the lists need not travel between processes. Each is its value or the
+    :class:`Deferred` problem its derivation raised."""
+
+    verdicts_digest: str | Deferred
+    scores_digest: str | Deferred
+    submission_digests: list[str] | Deferred  # sorted
+    failed: set[str] | Deferred  # workers whose spot check failed
+
+
+Lists = tuple[list[dict[str, Any]], list[dict[str, Any]]]
+
+
+@dataclass
+class RecordedResult:
+    """A recorded round result: its row's index, the message and the facts of its lists."""
+
+    index: int
+    message: RoundResult | ResultView
+    facts: ResultFacts
+    reread: Callable[[], Lists] | None = None  # the lists, parsed again from the row
+
+    def lists(self) -> Lists:
+        """The verdicts and scores (parsed again if the message travelled without them)."""
+        msg = self.message
+        if msg.verdicts is None or msg.scores is None:
+            assert self.reread is not None, "a result without its lists needs a reread"
+            return self.reread()
+        return msg.verdicts, msg.scores
+
+
+@dataclass
+class RoundState:
+    """What the rows of one round have established so far."""
+
+    index: int
+    base: str
+    submissions: dict[str, int] = field(default_factory=dict)  # digest -> row index
+    closed: list[str] | None = None
+    sealed: str | None = None  # sealed_list_digest(closed), once closed
+    shares: dict[int, str] = field(default_factory=dict)  # validator -> its logged BLS share
+    beacon_seed: str | None = None
+    results: list[RecordedResult] = field(default_factory=list)
+    shard_results: list[str | None] | None = None  # result digests by shard, once published
+    shard_list: list[str | None] | None = None
+    shard_shares: dict[int, str] = field(default_factory=dict)  # validator -> BLS share
+    shard_seed: str | None = None
+    shard_findings: dict[tuple[int, int], bool] = field(default_factory=dict)  # -> faulty
+    shard_faults: set[int] = field(default_factory=set)
+    secagg_bucket_of: dict[str, int] | None = None  # worker -> bucket, once dealt
+    secagg_posts: set[tuple[str, str]] = field(default_factory=set)  # (board kind, sender)
+    bans: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    penalties: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    certified: RecordedResult | None = None
+
+
+@dataclass
+class AuditState:
+    """The audit's state after the rows read so far: the run spec, the rounds opened (the
+    last one is ``current``) and the base model the next round must open on."""
+
+    spec: RunSpec | None = None
+    rounds: dict[int, RoundState] = field(default_factory=dict)
+    current: RoundState | None = None
+    next_base: str | None = None
+
+
+def get_spec(state: AuditState) -> RunSpec:
+    """The run spec; every row but the first comes after it."""
+    if state.spec is None:
+        raise Bad("before the run spec")
+    return state.spec
+
+
+def get_round(state: AuditState, r: int) -> RoundState:
+    """Round ``r``, which a ``round_opened`` row must have opened."""
+    rnd = state.rounds.get(r)
+    if rnd is None:
+        raise Bad(f"round {r} was never opened")
+    return rnd
+
+
+def get_validator_index(state: AuditState, signer: str, named: str) -> int:
+    """The index in the run spec of the validator that signed a row naming it ``named``."""
+    idx = get_spec(state).validator_index(signer)
+    if idx is None or signer != named:
+        raise Bad("not signed by a validator of this run")
+    return idx
+
+
+def _is_quorum_list(signers: list[int], spec: RunSpec, *, exact: bool) -> bool:
+    """Distinct validator indices in ascending order, ``quorum`` of them (at least, unless
+    ``exact``)."""
+    return not (len(set(signers)) != len(signers)
+                or (len(signers) != spec.quorum if exact else len(signers) < spec.quorum)
+                or signers != sorted(signers)
+                or any(not 0 <= k < len(spec.validators) for k in signers))
+
+
+# ----------------------------------------------------------------------------- signed rows
+
+
+def check_first_row(index: int, kind: str) -> None:
+    """9.3 ``run_spec``: "row 0" (a registration or a submission first fails its own rule)."""
+    if index == 0 and kind != "run_spec":
+        raise Bad("the first row must be the run spec")
+
+
+def process_run_spec(state: AuditState, index: int, spec: RunSpec, signer: str,
+                     run_id: str) -> None:
+    """9.3 ``run_spec``: "its signature; signer = `organiser`; row 0" (of the row's run).
+    The genesis model is the base of round 0."""
+    if index != 0 or state.spec is not None:
+        raise Bad("a second run spec")
+    if signer != spec.organiser:
+        raise Bad("run spec not signed by its organiser")
+    if spec.run_id != run_id:
+        raise Bad("run spec of another run")
+    state.spec = spec
+    state.next_base = spec.genesis_model_hash
+
+
+def check_registration(registration: Registration, signer: str, run_id: str) -> None:
+    """9.3 ``registration``: "its signature; signer = `participant`; the run". (The pass
+    checks it comes after the run spec: :func:`get_spec`.)"""
+    if registration.run_id != run_id or signer != registration.participant:
+        raise Bad("registration of another run or signed by another key")
+
+
+def check_submission(submission: Submission, signer: str, run_id: str, round_index: int
+                     ) -> None:
+    """9.3 ``submission``, where no certificate covers it (and every one in full mode): "its
+    signature, run and round, signer = `worker`"; ``round_index`` is the round it was
+    recorded in."""
+    if signer != submission.worker:
+        raise Bad("submission signed by a key other than its worker")
+    if submission.run_id != run_id or submission.round != round_index:
+        raise Bad(f"submission for round {submission.round} recorded in round {round_index}")
+
+
+def process_submissions(state: AuditState, indices: Iterable[int], digests: Iterable[str]
+                        ) -> RoundState:
+    """9.3 ``submission``: each belongs to the open round, whose ``round_closed`` must list
+    exactly its submission rows; recorded there under its digest ``sha256(body)``, which
+    the certified verdicts must name. A run of consecutive submission rows at once (the
+    same rule for each); returns the round."""
+    rnd = state.current
+    if rnd is None or rnd.closed is not None:
+        raise Bad("no open round to record it in")
+    rnd.submissions.update(zip(digests, indices, strict=True))
+    return rnd
+
+
+def check_receipt(receipt: Receipt, signer: str, ledger_key: str, before: ChainRow | None
+                  ) -> None:
+    """9.3 ``receipt`` (full mode): "its signature by the ledger key, names the submission
+    row before it (`sequence`, `submission_digest`)"; ``before`` is that row."""
+    if signer != ledger_key:
+        raise Bad("receipt not signed by this ledger")
+    if (before is None or before.kind != "submission" or receipt.sequence != before.seq
+            or receipt.submission_digest != hashlib.sha256(before.body).hexdigest()):
+        raise Bad("receipt does not name the submission row before it")
+
+
+def process_beacon_share(state: AuditState, index: int, share: BeaconShare, signer: str
+                         ) -> int:
+    """9.3 ``beacon_share``: "a validator of the run; after the round closed; `sealed` is the
+    digest of the round's sealed list". Each validator's first share is kept for
+    ``beacon_fixed``; returns the validator's index (full mode checks its BLS share)."""
+    idx = get_validator_index(state, signer, share.validator)
+    rnd = get_round(state, share.round)
+    if rnd.closed is None:
+        raise Bad("beacon share before the round closed")
+    if share.sealed != rnd.sealed:
+        raise Bad("beacon share names another sealed list than the round's")
+    rnd.shares.setdefault(idx, share.share)
+    return idx
+
+
+def process_round_result(state: AuditState, index: int, result: RoundResult | ResultView,
+                         signer: str, facts: ResultFacts,
+                         reread: Callable[[], Lists] | None = None) -> None:
+    """9.3 ``round_result``: "its Ed25519 envelope; a validator of the run; base model, beacon
+    seed, `verdicts_hash` and `scores_hash` recomputed" (against the round's base and
+    beacon and the certified state it carries, for the next round). Recorded for the
+    round's ``round_finalized``; ``reread`` parses its lists again if they travelled
+    without it."""
+    get_validator_index(state, signer, result.validator)
+    rnd = get_round(state, result.round)
+    cert = CertifiedState.from_body(result.certified)
+    if result.base_model_hash != rnd.base or cert.round != result.round + 1:
+        raise Bad("result for another base model or round")
+    if cert.verdicts_hash != take(facts.verdicts_digest) or cert.scores_hash != take(
+            facts.scores_digest):
+        raise Bad("verdicts or scores differ from the certified digests")
+    if rnd.beacon_seed is None or result.beacon_seed != rnd.beacon_seed:
+        raise Bad("result uses another beacon than the round's")
+    rnd.results.append(RecordedResult(index, result, facts, reread))
+
+
+def _sharded_round(state: AuditState, signer: str, named: str, r: int, *,
+                   open_only: bool = True) -> tuple[int, RoundState]:
+    """9.3 shard rows: "a validator of a sharded run; after the beacon" (and before the
+    certificate, ``open_only``). The signer's index and the round."""
+    spec = get_spec(state)
+    idx = get_validator_index(state, signer, named)
+    rnd = get_round(state, r)
+    if not spec.shards:
+        raise Bad("shard message in a run that does not shard")
+    if rnd.beacon_seed is None:
+        raise Bad("shard message before the round's beacon was fixed")
+    if open_only and rnd.certified is not None:
+        raise Bad("shard result or check share after the round was finalized")
+    if rnd.shard_results is None:
+        rnd.shard_results = [None] * spec.shards
+    return idx, rnd
+
+
+def process_shard_result(state: AuditState, index: int, publication: ShardPublication,
+                         signer: str) -> None:
+    """9.3 ``shard_result``: "a validator of a sharded run; after the beacon; a result only
+    for the signer's own shard and before the list was fixed" (one per shard)."""
+    idx, rnd = _sharded_round(state, signer, publication.validator, publication.round)
+    assert rnd.shard_results is not None
+    if (publication.shard != idx or rnd.shard_results[idx] is not None
+            or rnd.shard_list is not None):
+        raise Bad("shard result for another shard, repeated, or after the list was fixed")
+    rnd.shard_results[idx] = publication.result_digest
+
+
+def process_shard_check_share(state: AuditState, index: int, share: ShardCheckShare,
+                              signer: str) -> int:
+    """9.3 ``shard_check_share``: "a validator of a sharded run; after the beacon; ... a
+    share signs exactly the fixed list" (the published results until it is fixed; one per
+    validator). Returns the validator's index (full mode checks its BLS share)."""
+    idx, rnd = _sharded_round(state, signer, share.validator, share.round)
+    if share.results != (rnd.shard_list if rnd.shard_list is not None
+                         else rnd.shard_results) or idx in rnd.shard_shares:
+        raise Bad("check share over another list than the published results, or repeated")
+    rnd.shard_shares[idx] = share.share
+    return idx
+
+
+def process_shard_finding(state: AuditState, index: int, finding: ShardFindingReport,
+                          signer: str) -> None:
+    """9.3 ``shard_finding``: "a validator of a sharded run; after the beacon; ... a finding
+    names a listed result of another validator" (after the check seed; one per validator
+    and shard)."""
+    idx, rnd = _sharded_round(state, signer, finding.validator, finding.round, open_only=False)
+    spec = get_spec(state)
+    if rnd.shard_seed is None or rnd.shard_list is None:
+        raise Bad("finding before the round's check seed was fixed")
+    if (finding.shard == idx or not 0 <= finding.shard < len(rnd.shard_list)
+            or finding.published_digest != rnd.shard_list[finding.shard]
+            or finding.publisher != spec.validators[finding.shard]["ed25519"]):
+        raise Bad("finding about a shard result that is not another validator's listed one")
+    if (idx, finding.shard) in rnd.shard_findings:
+        raise Bad("a second finding of one validator on one shard")
+    rnd.shard_findings[(idx, finding.shard)] = finding.faulty
+
+
+#: A masked round's board posts: chain kind -> (board kind, the field naming the sender).
+SECAGG_POSTS = {"secagg_keys": ("keys", "worker"), "secagg_deal": ("deal", "dealer"),
+                "secagg_masked_input": ("masked", "worker"), "secagg_reveal": ("reveal", "holder"),
+                "secagg_opening": ("opening", "worker")}
+
+
+def process_secagg_post(state: AuditState, index: int, post: Any, signer: str) -> None:
+    """9.3 ``secagg_keys``, ``secagg_deal``, ``secagg_masked_input``, ``secagg_reveal``,
+    ``secagg_opening`` (``post``'s kind): "signer = its sender; the sender is in the bucket
+    it names (from `secagg_started`); one per kind, sender and round; before the
+    certificate; an opening after the sender's masked input"."""
+    board_kind, field_name = SECAGG_POSTS[post.KIND]
+    sender = getattr(post, field_name)
+    rnd = get_round(state, post.round)
+    if signer != sender or rnd.secagg_bucket_of is None or (
+            rnd.secagg_bucket_of.get(sender) != post.bucket):
+        raise Bad("board post not signed by its sender, before the buckets, or from "
+                  "outside the bucket it names")
+    if (board_kind, sender) in rnd.secagg_posts or (
+            board_kind == "opening" and ("masked", sender) not in rnd.secagg_posts):
+        raise Bad("a second board post of one kind, or an opening without a masked input")
+    if rnd.certified is not None:
+        raise Bad("board post after the round was finalized")
+    rnd.secagg_posts.add((board_kind, sender))
+
+
+# ----------------------------------------------------------------------------- ledger records
+
+
+def check_ledger_record(body: Any, run_id: str) -> dict[str, Any]:
+    """9.1: a ledger-authored record is "a canonical object whose `run_id` names the row's
+    run". The body, for the record's own rule."""
+    if not isinstance(body, dict):
+        raise Bad("a ledger record is a JSON object")
+    if body.get("run_id") != run_id:
+        raise Bad("record of another run")
+    return body
+
+
+def process_round_opened(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ledger records: "rounds open in order on the last certified model" (each after
+    the one before it was finalized)."""
+    r = body["round"]
+    if state.current is not None and state.current.certified is None:
+        raise Bad("a round opened before the previous one finalized")
+    if r != (0 if state.current is None else state.current.index + 1):
+        raise Bad(f"round {r} opened out of order")
+    if body["base_model_hash"] != state.next_base:
+        raise Bad("base model is not the one the last certificate vouches for")
+    state.current = state.rounds[r] = RoundState(r, body["base_model_hash"])
+
+
+def process_round_closed(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ledger records: "`round_closed` lists exactly the round's submission rows" (of
+    the open round); its sealed list's digest is what the beacon shares name."""
+    rnd = get_round(state, body["round"])
+    if rnd is not state.current or rnd.closed is not None:
+        raise Bad("closes a round that is not open")
+    listed = list(body["submissions"])
+    if set(map(type, listed)) <= {str}:  # as sorted lists, without sorting:
+        # the digests recorded are distinct, so equal multisets are equal sets
+        same = len(listed) == len(rnd.submissions) and set(listed) == rnd.submissions.keys()
+    else:
+        same = sorted(listed) == sorted(rnd.submissions)
+    if not same:
+        raise Bad("sealed list differs from the submissions recorded in the round")
+    rnd.closed = listed
+    rnd.sealed = sealed_list_digest(listed)
+
+
+def process_beacon_fixed(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ``beacon_fixed``: "exactly `quorum` distinct signers in ascending order; each
+    share is that signer's logged `beacon_share`". The round's beacon seed follows."""
+    rnd = get_round(state, body["round"])
+    spec = get_spec(state)
+    if not _is_quorum_list(body["signers"], spec, exact=True):
+        raise Bad("beacon signers are not a quorum of the validator set")
+    if [rnd.shares.get(k) for k in body["signers"]] != list(body["shares"]):
+        raise Bad("beacon shares are not the signers' logged beacon_share rows")
+    rnd.beacon_seed = beacon_seed_of({"shares": body["shares"]})
+
+
+def process_shard_list_fixed(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ``shard_list_fixed``: "the list equals the published results" (fixed once)."""
+    rnd = get_round(state, body["round"])
+    if rnd.shard_list is not None or body["results"] != rnd.shard_results:
+        raise Bad("fixed shard list differs from the published results")
+    rnd.shard_list = body["results"]
+
+
+def process_shard_check_fixed(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ``shard_check_fixed``: "the seed is `compute_beacon_seed` of a quorum's shares"
+    (distinct signers in ascending order, each share that signer's logged
+    ``shard_check_share``, over the fixed list; fixed once)."""
+    spec = get_spec(state)
+    rnd = get_round(state, body["round"])
+    signers = body["signers"]
+    if not _is_quorum_list(signers, spec, exact=False):
+        raise Bad("shard check signers are not a quorum of the validator set")
+    if rnd.shard_seed is not None or [rnd.shard_shares.get(k) for k in signers] != body[
+            "shares"]:
+        raise Bad("shard check seed fixed twice, or from shares that were not recorded")
+    if body["results"] != rnd.shard_list or body["seed"] != compute_beacon_seed(
+            [bytes.fromhex(x) for x in body["shares"]]).hex():
+        raise Bad("shard check seed does not follow from its list and shares")
+    rnd.shard_seed = body["seed"]
+
+
+def process_shard_fault(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ``shard_fault``: "a `shard_fault` names a shard that a quorum of recorded
+    findings found faulty, exactly those findings' validators as its reporters; once per
+    shard"."""
+    spec = get_spec(state)
+    rnd = get_round(state, body["round"])
+    shard = body["shard"]
+    reporters = sorted(k for (k, sh), faulty in rnd.shard_findings.items()
+                       if sh == shard and faulty)
+    if shard in rnd.shard_faults or body["reporters"] != reporters or len(
+            reporters) < spec.quorum:
+        raise Bad("shard fault without a quorum of recorded faulty findings")
+    rnd.shard_faults.add(shard)
+
+
+def process_secagg_started(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ``secagg_started``: "after the beacon of a masked run; buckets disjoint, sorted,
+    of two or more, no more workers than the sealed list, the beacon's deal of their
+    members" (once a round)."""
+    spec = get_spec(state)
+    rnd = get_round(state, body["round"])
+    if spec.masked is None or rnd.beacon_seed is None or rnd.secagg_bucket_of is not None:
+        raise Bad("buckets dealt in an unmasked run, before the beacon, or twice")
+    buckets = body["buckets"]
+    members = [w for b in buckets for w in b]
+    if (len(set(members)) != len(members) or len(members) > len(rnd.closed or ())
+            or any(len(b) < 2 or b != sorted(b) for b in buckets)):
+        raise Bad("buckets overlap, hold more workers than the sealed list, or are short")
+    if buckets != round_buckets(bytes.fromhex(rnd.beacon_seed), members,
+                                spec.masked["bucket_size"]):
+        raise Bad("buckets are not the beacon's deal of their members")
+    rnd.secagg_bucket_of = {w: b for b, ws in enumerate(buckets) for w in ws}
+
+
+def process_ban(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ledger records: "a `ban` matches a certified `spot_check_failed` verdict". Written
+    just before its round's certificate, so checked when that arrives
+    (:func:`process_round_finalized`, which raises :class:`BadEarlier` for it)."""
+    rnd = get_round(state, body["round"])
+    if rnd.certified is not None or rnd.closed is None:
+        raise Bad("ban outside the finalization of its round")
+    rnd.bans.append((index, body))
+
+
+def process_penalty(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ledger records: "a `penalty` forfeits exactly a certified reward of that worker
+    from its vesting window". Written just before its round's certificate, so checked
+    when that arrives (:func:`process_round_finalized`, which raises :class:`BadEarlier`
+    for it)."""
+    rnd = get_round(state, body["round"])
+    if rnd.certified is not None or rnd.closed is None:
+        raise Bad("penalty outside the finalization of its round")
+    rnd.penalties.append((index, body))
+
+
+def check_validator_fault(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ledger records: "a `validator_fault` names a recorded result that differs from
+    the certificate" (a result of that validator whose certified state has the
+    ``result_digest`` the record names, not the ``certified_digest``)."""
+    rnd = get_round(state, body["round"])
+    differs = any(res.message.validator == body["validator"] and digest_of(
+        res.message.certified) == body["result_digest"] != body["certified_digest"]
+        for res in rnd.results)
+    if not differs:
+        raise Bad("fault without a recorded result that differs from the certificate")
+
+
+def process_round_finalized(state: AuditState, index: int, body: dict[str, Any]
+                            ) -> RoundState:
+    """9.3 ``round_finalized``: "the certificate (section 7.4) ...; a recorded `round_result`
+    carries the certified state; its verdicts cover exactly the round's sealed list".
+    Here the certificate's run, round and signers (a quorum of the validator set); its
+    BLS signature is the engine's (batched, 9.5). Then the round's bans and penalties
+    (:func:`check_bans_and_penalties`), and the certified model is the next round's
+    base. Returns the round, its ``certified`` result set."""
+    spec = get_spec(state)
+    rnd = get_round(state, body["round"])
+    checked = CERTIFICATE(body["certificate"], "certificate")
+    certified = CertifiedState.from_body(checked["certified"])
+    signers = checked["signers"]
+    if certified.run_id != spec.run_id or certified.round != rnd.index + 1:
+        raise Bad(f"certificate is for {certified.run_id} round {certified.round}")
+    if len(set(signers)) != len(signers) or len(signers) < spec.quorum or any(
+            k >= len(spec.validators) for k in signers):
+        raise Bad("certificate signers are not a quorum of the validator set")
+    match = [res for res in rnd.results if res.message.certified == checked["certified"]]
+    if not match:
+        raise Bad("no recorded validator result carries the certified state")
+    res = match[0]
+    if take(res.facts.submission_digests) != sorted(rnd.closed or []):
+        raise Bad("certified verdicts do not cover exactly the sealed submissions")
+    check_bans_and_penalties(state, rnd, res)
+    rnd.certified = res
+    state.next_base = certified.model_hash
+    return rnd
+
+
+def check_bans_and_penalties(state: AuditState, rnd: RoundState, res: RecordedResult) -> None:
+    """The round's ``ban`` and ``penalty`` rows against its certified result ``res``: a ban
+    names a worker whose spot check failed, reason ``spot_check_failed``, until
+    ``round + ban_rounds``; a penalty forfeits exactly the reward that worker was
+    certified in an earlier round of its vesting window. Raises :class:`BadEarlier`
+    naming the first wrong row."""
+    failed = take(res.facts.failed)
+    spec = get_spec(state)
+    ban_rounds = spec.verification["ban_rounds"]
+    for i, body in rnd.bans:
+        if body["worker"] not in failed or body["reason"] != "spot_check_failed" or body[
+                "until_round"] != rnd.index + ban_rounds:
+            raise BadEarlier(i, "ban", "ban without a certified failed spot check")
+    vesting = spec.verification.get("vesting_rounds", 0)
+    for i, body in rnd.penalties:
+        src = state.rounds.get(body["source_round"])
+        earned = None if src is None or src.certified is None else next(
+            (sc["reward"] for sc in src.certified.lists()[1]
+             if sc["worker"] == body["worker"]), None)
+        if (body["worker"] not in failed or earned is None or body["amount"] != earned
+                or not rnd.index - vesting < body["source_round"] < rnd.index):
+            raise BadEarlier(i, "penalty", "penalty that is not an unvested certified "
+                             "reward of a worker whose spot check failed")
+
+
+def check_run_finished(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ledger records: "`run_finished` comes after the last round opened was finalized"."""
+    if state.current is None or state.current.certified is None:
+        raise Bad("run finished with a round not finalized")
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+#: Signed kinds (besides ``run_spec`` and ``round_result``, whose rules take more) -> rule
+#: of (state, row index, message, signer); a validator's index where the engine needs it.
+SIGNED_RULES: dict[str, Callable[[AuditState, int, Any, str], int | None]] = {
+    "beacon_share": process_beacon_share,
+    "shard_result": process_shard_result,
+    "shard_check_share": process_shard_check_share,
+    "shard_finding": process_shard_finding,
+    **dict.fromkeys(SECAGG_POSTS, process_secagg_post),
+}
+#: Ledger records with a rule beyond :func:`check_ledger_record` -> rule of (state, row
+#: index, body); ``round_finalized`` gives the round it finalized. Other records (for
+#: example ``round_extended``, ``challenges_fixed``, ``reveal``) need only that check.
+RECORD_RULES: dict[str, Callable[[AuditState, int, dict[str, Any]], RoundState | None]] = {
+    "round_opened": process_round_opened,
+    "round_closed": process_round_closed,
+    "beacon_fixed": process_beacon_fixed,
+    "shard_list_fixed": process_shard_list_fixed,
+    "shard_check_fixed": process_shard_check_fixed,
+    "shard_fault": process_shard_fault,
+    "secagg_started": process_secagg_started,
+    "ban": process_ban,
+    "penalty": process_penalty,
+    "validator_fault": check_validator_fault,
+    "round_finalized": process_round_finalized,
+    "run_finished": check_run_finished,
+}
