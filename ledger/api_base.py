@@ -60,6 +60,8 @@ STATUS_BY_REASON = {
     "not_expected": 403,
     "wrong_bucket": 403,
     "not_challenged": 403,
+    "reveal_late": 409,
+    "wrong_submission": 409,
 }
 
 

@@ -29,16 +29,19 @@ from typing import Any
 
 from veritrain.protocol.beacon import beacon_seed_of, compute_beacon_seed, sealed_list_digest
 from veritrain.protocol.certificates import CERTIFICATE
+from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.messages import (
     BeaconShare,
     CertifiedState,
     Receipt,
     Registration,
+    RevealReceipt,
     RoundResult,
     RunSpec,
     ShardCheckShare,
     ShardFindingReport,
     ShardPublication,
+    SpotReveal,
     Submission,
     digest_of,
 )
@@ -106,6 +109,7 @@ class ResultFacts:
     scores_digest: str | Deferred
     submission_digests: list[str] | Deferred  # sorted
     failed: set[str] | Deferred  # workers whose spot check failed
+    submitted: dict[str, str] | Deferred  # worker -> its submission's digest
 
 
 Lists = tuple[list[dict[str, Any]], list[dict[str, Any]]]
@@ -149,6 +153,12 @@ class RoundState:
     shard_faults: set[int] = field(default_factory=set)
     secagg_bucket_of: dict[str, int] | None = None  # worker -> bucket, once dealt
     secagg_posts: set[tuple[str, str]] = field(default_factory=set)  # (board kind, sender)
+    challenges: dict[str, list[int]] | None = None  # worker -> segments, once fixed
+    challenges_row: int = -1
+    reveal_deadline: float | None = None
+    #: worker -> (its spot_reveal row, the submission digest it names)
+    reveals: dict[str, tuple[int, str]] = field(default_factory=dict)
+    last_reveal: tuple[int, str, str] | None = None  # (row, envelope digest, worker)
     bans: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     penalties: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     certified: RecordedResult | None = None
@@ -260,6 +270,42 @@ def check_receipt(receipt: Receipt, signer: str, ledger_key: str, before: ChainR
     if (before is None or before.kind != "submission" or receipt.sequence != before.seq
             or receipt.submission_digest != hashlib.sha256(before.body).hexdigest()):
         raise Bad("receipt does not name the submission row before it")
+
+
+def process_spot_reveal(state: AuditState, index: int, reveal: SpotReveal, signer: str,
+                        digest: str) -> None:
+    """9.3 ``spot_reveal``: "signer = `worker`; after the round's checks were fixed, before
+    its certificate; once per worker and round; it names a sealed submission" (that the
+    submission is the worker's and its reveal was due: :func:`check_checks_and_reveals`).
+    ``digest`` is the row's envelope digest, which its receipt names."""
+    if signer != reveal.worker:
+        raise Bad("reveal not signed by its worker")
+    rnd = get_round(state, reveal.round)
+    if rnd.challenges is None or rnd.certified is not None:
+        raise Bad("reveal before the round's checks were fixed or after its certificate")
+    if reveal.worker in rnd.reveals:
+        raise Bad("a second reveal of one worker in one round")
+    if reveal.submission_digest not in (rnd.closed or ()):
+        raise Bad("reveal names a submission outside the round's sealed list")
+    rnd.reveals[reveal.worker] = (index, reveal.submission_digest)
+    rnd.last_reveal = (index, digest, reveal.worker)
+
+
+def process_reveal_receipt(state: AuditState, index: int, receipt: RevealReceipt, signer: str,
+                           ledger_key: str) -> None:
+    """9.3 ``reveal_receipt``: "signed by the ledger; names the `spot_reveal` row before it
+    (`sequence`, `reveal_digest`); received by the reveal deadline"."""
+    if signer != ledger_key:
+        raise Bad("reveal receipt not signed by this ledger")
+    rnd = get_round(state, receipt.round)
+    last = rnd.last_reveal
+    if (last is None or last[0] != index - 1 or receipt.sequence != index - 1
+            or receipt.reveal_digest != last[1] or receipt.worker != last[2]):
+        raise Bad("reveal receipt does not name the reveal row before it")
+    if rnd.reveal_deadline is None or receipt.received_at > rnd.reveal_deadline \
+            or receipt.deadline != rnd.reveal_deadline:
+        raise Bad("reveal receipt after the round's reveal deadline")
+    rnd.last_reveal = None
 
 
 def process_beacon_share(state: AuditState, index: int, share: BeaconShare, signer: str
@@ -441,6 +487,23 @@ def process_beacon_fixed(state: AuditState, index: int, body: dict[str, Any]) ->
     rnd.beacon_seed = beacon_seed_of({"shares": body["shares"]})
 
 
+def process_challenges_fixed(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ``challenges_fixed``: "once, after the round's beacon; the checks are
+    `compute_challenges` of the beacon seed over the sealed submitters" (checked when the
+    round's certificate names them: :func:`check_checks_and_reveals`). It also records the
+    reveal deadline."""
+    rnd = get_round(state, body["round"])
+    if rnd.beacon_seed is None or rnd.challenges is not None:
+        raise Bad("checks fixed before the beacon, or twice")
+    challenges, deadline = body["challenges"], body["reveal_deadline"]
+    if not isinstance(challenges, dict) or not isinstance(deadline, int | float) or any(
+            not isinstance(v, list) for v in challenges.values()):
+        raise Bad("checks are not a map of workers to segments with a deadline")
+    rnd.challenges = challenges
+    rnd.challenges_row = index
+    rnd.reveal_deadline = float(deadline)
+
+
 def process_shard_list_fixed(state: AuditState, index: int, body: dict[str, Any]) -> None:
     """9.3 ``shard_list_fixed``: "the list equals the published results" (fixed once)."""
     rnd = get_round(state, body["round"])
@@ -556,12 +619,36 @@ def process_round_finalized(state: AuditState, index: int, body: dict[str, Any]
     if not match:
         raise Bad("no recorded validator result carries the certified state")
     res = match[0]
+    if rnd.certified is not None:
+        raise Bad("round finalized twice")
     if take(res.facts.submission_digests) != sorted(rnd.closed or []):
         raise Bad("certified verdicts do not cover exactly the sealed submissions")
+    check_checks_and_reveals(state, rnd, res)
     check_bans_and_penalties(state, rnd, res)
     rnd.certified = res
     state.next_base = certified.model_hash
     return rnd
+
+
+def check_checks_and_reveals(state: AuditState, rnd: RoundState, res: RecordedResult) -> None:
+    """The round's ``challenges_fixed`` and ``spot_reveal`` rows against its certified
+    verdicts, which name every sealed submission's worker: the checks are the beacon's draw
+    over those workers, and each reveal is its worker's own submission's, and due. Raises
+    :class:`BadEarlier` naming the first wrong row."""
+    if rnd.challenges is None:
+        return
+    submitted = take(res.facts.submitted)
+    assert rnd.beacon_seed is not None
+    policy = ChallengePolicy.of_run(get_spec(state))
+    expected = compute_challenges(bytes.fromhex(rnd.beacon_seed), sorted(submitted), policy)
+    if rnd.challenges != expected:
+        raise BadEarlier(rnd.challenges_row, "challenges_fixed",
+                         "checks are not the beacon's draw over the sealed submitters")
+    due = set(policy.checked_workers(expected))
+    for worker, (i, digest) in sorted(rnd.reveals.items(), key=lambda kv: kv[1][0]):
+        if worker not in due or submitted.get(worker) != digest:
+            raise BadEarlier(i, "spot_reveal", "reveal of a worker with no reveal due, or "
+                             "naming another worker's submission")
 
 
 def check_bans_and_penalties(state: AuditState, rnd: RoundState, res: RecordedResult) -> None:
@@ -613,6 +700,7 @@ RECORD_RULES: dict[str, Callable[[AuditState, int, dict[str, Any]], RoundState |
     "round_opened": process_round_opened,
     "round_closed": process_round_closed,
     "beacon_fixed": process_beacon_fixed,
+    "challenges_fixed": process_challenges_fixed,
     "shard_list_fixed": process_shard_list_fixed,
     "shard_check_fixed": process_shard_check_fixed,
     "shard_fault": process_shard_fault,

@@ -14,12 +14,14 @@ model is vouched for by the signed spec itself).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
@@ -122,13 +124,16 @@ class LedgerClient:
 
         return await self._retrying(f"POST {path}", attempt)
 
-    async def post_multipart(self, path: str, parts: list[tuple[str, bytes, str]]) -> Any:
-        """POST named parts in order: (name, bytes, content type)."""
+    async def post_multipart(self, path: str, parts: list[tuple[str, bytes | Path, str]]
+                             ) -> Any:
+        """POST named parts in order: (name, bytes or a file to stream, content type)."""
 
         async def attempt() -> Any:
-            with aiohttp.MultipartWriter("form-data") as mp:
+            with contextlib.ExitStack() as files, aiohttp.MultipartWriter("form-data") as mp:
                 for name, data, ctype in parts:
-                    part = mp.append(data, {"Content-Type": ctype})
+                    body = files.enter_context(open(data, "rb")) if isinstance(data, Path) \
+                        else data
+                    part = mp.append(body, {"Content-Type": ctype})
                     part.set_content_disposition("form-data", name=name)
                 async with self.session.post(self.base_url + path, data=mp) as resp:
                     await self._check(resp)

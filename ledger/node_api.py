@@ -11,9 +11,8 @@ import time
 from typing import Any
 
 from aiohttp import web
-from veritrain.protocol.challenges import max_reveal_bytes
 from veritrain.protocol.encoding import decode_canonical
-from veritrain.protocol.errors import EncodingError, OversizedError, RejectedInput
+from veritrain.protocol.errors import EncodingError, RejectedInput
 from veritrain.protocol.messages import (
     BeaconShare,
     Registration,
@@ -28,6 +27,7 @@ from veritrain.protocol.messages import (
     ShardFindingReport,
     ShardPublication,
     Signed,
+    SpotReveal,
     Submission,
     max_shard_file_bytes,
     open_signed,
@@ -39,7 +39,6 @@ from .api_base import (
     LEDGER,
     MAX_MESSAGE_BYTES,
     MAX_MODEL_BYTES,
-    clock_of,
     part_bytes,
     part_to_blob,
     path_round,
@@ -48,7 +47,6 @@ from .api_base import (
 )
 from .challenges import challenges_view
 from .ingest import Incoming
-from .uploads import stream_to_blob
 
 routes = web.RouteTableDef()
 
@@ -335,24 +333,27 @@ async def get_challenges(request: web.Request) -> web.Response:
         challenges_view, request.match_info["run_id"], path_round(request), time.time()))
 
 
-@routes.put("/v1/runs/{run_id}/rounds/{round}/reveals/{digest}")
-async def put_reveal(request: web.Request) -> web.Response:
-    """A challenged state or residual file; accepted only if some challenge needs its hash."""
+@routes.post("/v1/runs/{run_id}/rounds/{round}/reveals")
+async def post_reveal(request: web.Request) -> web.Response:
+    """Multipart: ``envelope`` (signed SpotReveal) then ``reveal`` (the reveal file).
+
+    201 with the ledger's signed RevealReceipt; 200 with the same receipt when this exact
+    envelope is already recorded (the file is then not read). Everything that can refuse
+    it is checked before the file is read."""
     ledger = request.app[LEDGER]
-    run_id, r, digest = request.match_info["run_id"], path_round(request), request.match_info["digest"]
-    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-        raise EncodingError("reveals are named by lowercase sha256 hex")
-    spec = await ledger.read(lambda s: ledger.store.get_spec(s, run_id))
-    limit = max_reveal_bytes(spec.num_params)
-    if request.content_length is not None and request.content_length > limit:
-        raise OversizedError(f"a reveal is at most {limit} bytes")
-    if await ledger.write(ledger.store.precheck_reveal, run_id, r, digest):
-        return web.json_response(await ledger.write(ledger.store.accept_reveal, run_id, r,
-                                                    digest, 0))
-    _, size = await stream_to_blob(ledger.blobs, request.content.read, clock_of(request), limit,
-                                   digest)
-    return web.json_response(await ledger.write(ledger.store.accept_reveal, run_id, r, digest,
-                                                size), status=201)
+    reader = await request.multipart()
+    raw = await part_bytes(request, reader, "envelope", MAX_MESSAGE_BYTES)
+    signed = open_signed(decode_canonical(raw), SpotReveal)
+    set_signer(request, signed.signer)
+    msg = signed.message
+    if msg.run_id != request.match_info["run_id"] or msg.round != path_round(request):
+        raise RejectedInput("reveal run or round differs from the URL", "wrong_round")
+    if (done := await ledger.write(ledger.store.precheck_spot_reveal, signed)) is not None:
+        return web.json_response(done.to_wire())
+    digest, size = await part_to_blob(request, reader, "reveal", msg.reveal_bytes,
+                                      msg.reveal_hash)
+    receipt = await ledger.write(ledger.store.accept_spot_reveal, signed, digest, size)
+    return web.json_response(receipt.to_wire(), status=201)
 
 
 @routes.get("/v1/blobs/{digest}")

@@ -245,20 +245,20 @@ def _paths() -> dict[str, Any]:
                        json_body("signed SecaggKeys, SecaggDeal, SecaggReveal or SecaggOpening"),
                        tag="write")},
         rnd + "/challenges": {"get": op(
-            "the round's spot-check challenges and which reveals arrived", [RUN, ROUND],
+            "the round's checks per worker, with each signed reveal and its receipt",
+            [RUN, ROUND],
             {**ok(obj({"run_id": STR, "round": INT, "fixed": BOOL,
                        "reveal_deadline": nullable(NUM), "now": NUM, "challenges": arr(OBJ),
                        "complete": BOOL})), **problems(404)})},
-        rnd + "/reveals/{digest}": {"put": op(
-            "a challenged file, named by its sha256 (only files some challenge needs)",
-            [RUN, ROUND, DIGEST],
-            {"200": ok(obj({"digest": HEX64, "workers": arr(STR), "already": BOOL}),
-                       "already stored (identical files share one hash)")["200"],
-             "201": ok(obj({"digest": HEX64, "workers": arr(STR), "already": BOOL}),
-                       "stored", 201)["201"],
-             **problems(403, 404, 409, 413)},
-            {"required": True, "content": {"application/octet-stream": {
-                "schema": {"type": "string", "format": "binary"}}}}, tag="write")},
+        rnd + "/reveals": {"post": op(
+            "a worker's reveal for the round's checks (signed SpotReveal, then the file); "
+            "one per worker, before the reveal deadline", [RUN, ROUND],
+            {"201": ok(ref("Signed"), "the ledger's signed RevealReceipt", 201)["201"],
+             "200": ok(ref("Signed"), "this envelope was already recorded: the same "
+                       "receipt")["200"],
+             **problems(401, 403, 404, 409, 413)},
+            multipart({"envelope": "signed SpotReveal", "reveal": "the reveal file"}),
+            tag="write")},
         "/v1/blobs/{digest}": {"get": op("a content-addressed blob (sealed payloads: 403)",
                                          [DIGEST], {"200": {"description": "the blob", "content": {
                                              "application/octet-stream": {"schema": {

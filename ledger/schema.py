@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Float,
     ForeignKey,
     Index,
@@ -189,25 +190,31 @@ class Checkpoint(Base):
 
 
 class ChallengeRow(Base):
-    """Segments a worker must reveal for a round, fixed with the round's beacon."""
+    """A worker's checks of a round, fixed with the round's beacon: its challenged
+    segments, and whether a reveal is due at all (a masked run's unopened workers have none)."""
 
     __tablename__ = "challenges"
     run_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     round: Mapped[int] = mapped_column(Integer, primary_key=True)
     worker: Mapped[str] = mapped_column(String(64), primary_key=True)
     segments: Mapped[str] = mapped_column(Text)  # canonical JSON list of segment indices
-    needed: Mapped[str] = mapped_column(Text)  # canonical JSON list of content hashes
+    due: Mapped[bool] = mapped_column(Boolean, default=True)
+    max_bytes: Mapped[int] = mapped_column(BigInteger, default=0)  # bound on its reveal file
 
 
-class RevealRow(Base):
-    """A revealed state or residual file, accepted only if some challenge needs its hash."""
+class SpotRevealRow(Base):
+    """A worker's signed reveal of a round (its file is a blob) and the ledger's receipt."""
 
-    __tablename__ = "reveals"
+    __tablename__ = "spot_reveals"
     run_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     round: Mapped[int] = mapped_column(Integer, primary_key=True)
-    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    worker: Mapped[str] = mapped_column(String(64), primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64))  # of the signed envelope
+    envelope: Mapped[bytes] = mapped_column(LargeBinary)  # canonical signed SpotReveal
+    reveal_hash: Mapped[str] = mapped_column(String(64))
     size: Mapped[int] = mapped_column(BigInteger)
-    at: Mapped[float] = mapped_column(Float)
+    received_at: Mapped[float] = mapped_column(Float)
+    receipt: Mapped[bytes] = mapped_column(LargeBinary)  # canonical signed RevealReceipt
 
 
 class Penalty(Base):

@@ -26,12 +26,14 @@ from veritrain.protocol.messages import (
     BeaconShare,
     Receipt,
     Registration,
+    RevealReceipt,
     RoundResult,
     RunSpec,
     ShardCheckShare,
     ShardFindingReport,
     ShardPublication,
     Signed,
+    SpotReveal,
     Submission,
     digest_of,
     open_signed,
@@ -43,7 +45,7 @@ from veritrain.protocol.schedule import Action, RoundStatus, RoundView, next_act
 from . import migrate, secagg, shards
 from . import schema as t
 from .chain import GENESIS_HASH, compute_event_hash
-from .challenges import check_reveal_wanted, fix_challenges, needed_by
+from .challenges import check_reveal_allowed, fix_challenges
 from .checkpoints import Checkpointer, chain_head, note_append
 from .penalties import apply_worker_penalties, record_validator_faults
 
@@ -534,28 +536,41 @@ class LedgerStore:
 
     # ----------------------------------------------------------------- reveals
 
-    def precheck_reveal(self, run_id: str, r: int, digest: str) -> bool:
-        """Whether the reveal is already stored; refuses one no challenge needs."""
+    def precheck_spot_reveal(self, signed: Signed[SpotReveal]) -> Signed[RevealReceipt] | None:
+        """``accept_spot_reveal``'s checks without storing anything, so a reveal file is read
+        only when the round takes it; the stored receipt for an exact resend, else None."""
         with self.sessions() as s:
-            return check_reveal_wanted(s, run_id, r, digest)
+            stored = check_reveal_allowed(s, signed, self.clock())
+            return None if stored is None else open_signed(decode_canonical(stored.receipt),
+                                                           RevealReceipt)
 
-    def accept_reveal(self, run_id: str, r: int, digest: str, size: int) -> dict[str, Any]:
-        """Record a revealed file that some challenge of round ``r`` needs."""
+    def accept_spot_reveal(self, signed: Signed[SpotReveal], digest: str, size: int
+                           ) -> Signed[RevealReceipt]:
+        """Record a worker's reveal whose file is stored; returns the ledger's receipt."""
+        msg = signed.message
+        if digest != msg.reveal_hash or size != msg.reveal_bytes:
+            raise RejectedInput("reveal file differs from the envelope's hash or size",
+                                "payload_mismatch")
         with self.sessions.begin() as s:
-            if check_reveal_wanted(s, run_id, r, digest):
-                return {"digest": digest, "workers": needed_by(s, run_id, r)[digest],
-                        "already": True}
             now = self.clock()
+            stored = check_reveal_allowed(s, signed, now)
+            if stored is not None:
+                return open_signed(decode_canonical(stored.receipt), RevealReceipt)
             if s.get(t.Blob, digest) is None:
-                s.add(t.Blob(sha256=digest, size=size, kind="reveal", run_id=run_id,
+                s.add(t.Blob(sha256=digest, size=size, kind="reveal", run_id=msg.run_id,
                              sealed_round=None, created_at=now))
-            s.add(t.RevealRow(run_id=run_id, round=r, digest=digest, size=size, at=now))
-            workers = needed_by(s, run_id, r)[digest]
-            self._ledger_event(s, run_id, "reveal", {
-                "run_id": run_id, "round": r, "digest": digest, "size": size,
-                "workers": workers, "late": (s.get(t.Round, (run_id, r)).reveal_deadline or 0)
-                < now})
-            return {"digest": digest, "workers": workers, "already": False}
+            ev = self._append(s, msg.run_id, "spot_reveal", signed.encode())
+            rnd = self._round(s, msg.run_id, msg.round)
+            receipt = sign(self.identity, RevealReceipt(
+                run_id=msg.run_id, round=msg.round, worker=msg.worker,
+                reveal_digest=signed.digest, reveal_hash=digest, received_at=now,
+                deadline=rnd.reveal_deadline or now, sequence=ev.seq))
+            s.add(t.SpotRevealRow(run_id=msg.run_id, round=msg.round, worker=msg.worker,
+                                  digest=signed.digest, envelope=signed.encode(),
+                                  reveal_hash=digest, size=size, received_at=now,
+                                  receipt=receipt.encode()))
+            self._append(s, msg.run_id, "reveal_receipt", receipt.encode())
+            return receipt
 
     # ----------------------------------------------------------------- results
 

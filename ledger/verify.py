@@ -57,6 +57,7 @@ from veritrain.protocol.messages import (
     CertifiedState,
     Receipt,
     Registration,
+    RevealReceipt,
     RoundResult,
     RunSpec,
     SecaggDeal,
@@ -67,6 +68,7 @@ from veritrain.protocol.messages import (
     ShardCheckShare,
     ShardFindingReport,
     ShardPublication,
+    SpotReveal,
     Submission,
     digest_of,
     open_signed,
@@ -97,7 +99,8 @@ ALWAYS_OPENED = {"run_spec": RunSpec, "beacon_share": BeaconShare,
                  "shard_check_share": ShardCheckShare, "shard_finding": ShardFindingReport,
                  "secagg_keys": SecaggKeys, "secagg_deal": SecaggDeal,
                  "secagg_masked_input": SecaggMasked, "secagg_reveal": SecaggReveal,
-                 "secagg_opening": SecaggOpening}
+                 "secagg_opening": SecaggOpening, "spot_reveal": SpotReveal,
+                 "reveal_receipt": RevealReceipt}
 #: Fields of a verdict row served by the API that must equal the certified result.
 VIEW_FIELDS = ("status", "reason", "detail", "spot_checked", "distance", "samples", "quality",
                "score", "reward")
@@ -407,6 +410,7 @@ class ResultFactsAndViews(ResultFacts):
             submission_digests=_attempt(lambda: sorted(v["submission_digest"] for v in verdicts)),
             failed=_attempt(lambda: {v["worker"] for v in verdicts
                                      if v["reason"] == "spot_check_failed"}),
+            submitted=_attempt(lambda: {v["worker"]: v["submission_digest"] for v in verdicts}),
             totals=totals,
             lines=render_view_lines(views) if render and not isinstance(views, Deferred)
             else None)
@@ -752,6 +756,13 @@ class _Pass:
         if kind == "round_result":
             self._round_result(i, row, message, signer, ResultFactsAndViews.of(
                 message.round, message.verdicts, message.scores, render=False))
+            return
+        if kind == "spot_reveal":
+            rules.process_spot_reveal(state, i, message, signer,
+                                      hashlib.sha256(row.body).hexdigest())
+            return
+        if kind == "reveal_receipt":
+            rules.process_reveal_receipt(state, i, message, signer, self.ledger_key)
             return
         idx = SIGNED_RULES[kind](state, i, message, signer)
         if not self.full or idx is None:

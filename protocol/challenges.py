@@ -1,7 +1,8 @@
-"""Which training segments each worker must reveal, drawn from the round's beacon.
+"""Which checks each worker must answer, drawn from the round's beacon.
 
-A submission commits to S = H / k training-state hashes (its trail). Once the
-round's beacon seed is fixed, every worker in the sealed list is challenged:
+A submission commits to S = H / k training-state commitments (its trail). Once the
+round's beacon seed is fixed, every worker in the sealed list has its payload's
+binding checked (at ``binding_chunks`` chunks drawn from the beacon) and is challenged:
 
 * ``full_checks`` workers, ranked by sha256(seed || "spot-check" || key), must
   reveal every segment (their whole local training is recomputed);
@@ -10,10 +11,12 @@ round's beacon seed is fixed, every worker in the sealed list is challenged:
   sha256(seed || "segment" || key || u32be(j)); with ``always_last`` the last
   segment is always among them (it binds the payload to the trail).
 
-Cost for the validators: (sum of challenged segments) / (N * S) of the
-workers' training compute. A worker that fakes a fraction q of its segments
-escapes one round with probability about (1 - q)^c, so a free rider (q = 1)
-is caught in its first round with certainty whenever c >= 1.
+A challenged segment's check opens ``opened_chunks`` chunks of its end state
+(protocol/commitments.py), drawn from the beacon too. Cost for the validators: (sum
+of challenged segments) / (N * S) of the workers' training compute. A worker that
+fakes a fraction q of its segments escapes one round with probability about
+(1 - q)^c, so a free rider (q = 1) is caught in its first round with certainty
+whenever c >= 1. What the reveal of those checks weighs: protocol/reveal.py.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from .commitments import CHUNK, LEAF, chunk_count
 
-def max_reveal_bytes(numel: int) -> int:
-    """Upper bound on a revealed training-state file: 8-byte length, header, 3D + 1 floats."""
-    return 8 + (1 << 20) + 4 * (3 * numel + 1)
+#: Chunks a check opens when a run spec predates the setting.
+DEFAULT_OPENED_CHUNKS = 16
 
 
 def select_spot_checks(seed: bytes, workers: Iterable[str], count: int) -> list[str]:
@@ -46,6 +50,8 @@ class ChallengePolicy:
     #: Masked runs: only the ``full_checks`` workers reveal anything (any revealed
     #: training state would expose most of a worker's update), and they reveal all.
     opened_only: bool = False
+    opened_chunks: int = DEFAULT_OPENED_CHUNKS  # C: chunks a segment check opens
+    binding_chunks: int = DEFAULT_OPENED_CHUNKS  # C_b: chunks the binding check opens
 
     @classmethod
     def from_spec(cls, inner: dict, verification: dict, *, masked: bool = False
@@ -56,7 +62,26 @@ class ChallengePolicy:
             full_checks=int(verification["spot_checks_per_round"]),
             always_last=bool(verification["always_last"]),
             opened_only=masked,
+            opened_chunks=int(verification.get("opened_chunks", DEFAULT_OPENED_CHUNKS)),
+            binding_chunks=int(verification.get("binding_chunks", DEFAULT_OPENED_CHUNKS)),
         )
+
+    @classmethod
+    def of_run(cls, spec: Any) -> ChallengePolicy:
+        """The policy of a run spec."""
+        return cls.from_spec(spec.inner, spec.verification, masked=spec.masked is not None)
+
+    @property
+    def binding(self) -> bool:
+        """Whether every worker's payload binding is checked (``binding_chunks`` > 0; 0 only
+        where a benchmark isolates the aggregator)."""
+        return self.binding_chunks > 0
+
+    def checked_workers(self, challenges: dict[str, list[int]]) -> list[str]:
+        """Workers whose reveal is due: the challenged ones, and everyone else too when the
+        binding is checked (in a masked run only the opened ones reveal anything)."""
+        return sorted(w for w, segs in challenges.items()
+                      if segs or (self.binding and not self.opened_only))
 
     def expected_cost(self, n_workers: int) -> float:
         """Expected fraction of the workers' training compute that validators recompute."""
@@ -98,17 +123,12 @@ def compute_challenges(seed: bytes, workers: Sequence[str], policy: ChallengePol
     return out
 
 
-def needed_hashes(trail: Sequence[str], segments: Iterable[int], ef_hash: str,
-                  payload_hash: str | None = None) -> list[str]:
-    """Blobs a worker must reveal: each challenged segment's start (but the base, which
-    validators rebuild) and end state, and its error-feedback residual for the last one;
-    in a masked run also its payload, which the ledger never stored."""
-    need: list[str] = [payload_hash] if payload_hash is not None else []
-    last = len(trail) - 1
-    for j in segments:
-        if j > 0:
-            need.append(trail[j - 1])
-        need.append(trail[j])
-        if j == last:
-            need.append(ef_hash)
-    return sorted(set(need))
+def max_reveal_file_bytes(numel: int, trail_every: int, segments: int, policy: ChallengePolicy,
+                          payload_bytes: int = 0) -> int:
+    """An upper bound on a worker's reveal for ``segments`` challenged segments (the exact
+    layout is protocol/reveal.py's; this bound needs no torch, for the ledger)."""
+    n = chunk_count(numel)
+    opened = 4 * CHUNK * min(policy.opened_chunks, n)
+    per_segment = 4 * numel * (3 if trail_every > 1 else 1) + 5 * LEAF * n + 5 * opened
+    binding = 4 * LEAF * n + max(8 * numel, 2 * 4 * CHUNK * min(policy.binding_chunks, n))
+    return (1 << 20) + segments * per_segment + binding + payload_bytes

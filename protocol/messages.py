@@ -170,9 +170,12 @@ VERIFICATION = f.record(
         "vesting_rounds": f.integer(0, MAX_ROUND),
         "probe_examples": f.integer(0, 1 << 16),
         "probe_factor": f.number(0.0, 1e6),
+        "opened_chunks": f.integer(1, 1 << 20),
+        "binding_chunks": f.integer(0, 1 << 20),
     },
-    # Added with the probe filter: specs signed before it have no probe (both 0).
-    absent_ok=frozenset({"probe_examples", "probe_factor"}),
+    # Added with the probe filter: specs signed before it have no probe (both 0); added
+    # with chunked commitments: the chunks a check opens (16 when absent).
+    absent_ok=frozenset({"probe_examples", "probe_factor", "opened_chunks", "binding_chunks"}),
 )
 #: Largest bucket a run may ask for (buckets hold ``bucket_size`` to ``2 bucket_size - 1``).
 MAX_BUCKET_SIZE = 64
@@ -400,11 +403,65 @@ class Receipt(Message):
     }
 
 
+@dataclass(frozen=True)
+class SpotReveal(Message):
+    """A worker's reveal for a round's checks: the envelope of its reveal file
+    (protocol/reveal.py), naming the submission it opens and the file by hash and size."""
+
+    KIND: ClassVar[str] = "spot_reveal"
+    run_id: str
+    round: int
+    worker: str
+    submission_digest: str
+    reveal_hash: str
+    reveal_bytes: int
+    created_at: int
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, MAX_ROUND),
+        "worker": f.PUBKEY,
+        "submission_digest": f.HASH,
+        "reveal_hash": f.HASH,
+        "reveal_bytes": f.integer(1, 1 << 40),
+        "created_at": f.integer(0, 1 << 40),
+    }
+
+
+@dataclass(frozen=True)
+class RevealReceipt(Message):
+    """The ledger's signed acknowledgement that a worker's reveal arrived, and when: a
+    worker holding one for its round cannot be failed for a missing reveal."""
+
+    KIND: ClassVar[str] = "reveal_receipt"
+    run_id: str
+    round: int
+    worker: str
+    reveal_digest: str  # digest of the worker's signed SpotReveal envelope
+    reveal_hash: str
+    received_at: float
+    deadline: float
+    sequence: int
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, MAX_ROUND),
+        "worker": f.PUBKEY,
+        "reveal_digest": f.HASH,
+        "reveal_hash": f.HASH,
+        "received_at": f.number(0, 1e12),
+        "deadline": f.number(0, 1e12),
+        "sequence": f.integer(0, 1 << 62),
+    }
+
+
 # --------------------------------------------------------------------------- round result
 
 VERDICT_STATUS = ("accepted", "rejected")
+CHECK_KINDS = ("step", "binding")
 SEGMENT_CHECK = f.record(
     {
+        "kind": f.one_of(*CHECK_KINDS),
         "segment": f.integer(0, MAX_TRAIL),
         "start": f.optional(f.HASH),
         "end": f.HASH,
@@ -412,7 +469,9 @@ SEGMENT_CHECK = f.record(
         "distance": f.optional(f.number(0.0, 1e300)),
         "ok": f.boolean,
         "note": f.string(200),
-    }
+    },
+    # Added with the binding check: results recorded before it are all segment checks.
+    absent_ok=frozenset({"kind"}),
 )
 VERDICT = f.record(
     {
@@ -423,7 +482,7 @@ VERDICT = f.record(
         "detail": f.string(500),
         "spot_checked": f.boolean,
         "distance": f.optional(f.number(0.0, 1e300)),
-        "checks": f.list_of(SEGMENT_CHECK, MAX_TRAIL),
+        "checks": f.list_of(SEGMENT_CHECK, MAX_TRAIL + 1),  # the segments, then the binding
     }
 )
 SCORE = f.record(

@@ -27,7 +27,8 @@ _COMMON: dict[str, Any] = {
 
 def _preset(task: str, *, steps: int, batch: int, lr: float, k: int, round_seconds: float,
             rounds: int, challenges: float, always_last: bool, reveal_seconds: float,
-            tolerance: float, ban_rounds: int, vesting_rounds: int) -> dict[str, Any]:
+            tolerance: float, ban_rounds: int, vesting_rounds: int,
+            opened_chunks: int = 16) -> dict[str, Any]:
     return {
         **_COMMON,
         "task": {"name": "charlm", "preset": task},
@@ -39,6 +40,9 @@ def _preset(task: str, *, steps: int, batch: int, lr: float, k: int, round_secon
                          "always_last": always_last, "reveal_seconds": reveal_seconds,
                          "tolerance": tolerance, "norm_factor": 10.0, "ban_rounds": ban_rounds,
                          "vesting_rounds": vesting_rounds,
+                         # Chunks of 16,384 values a segment check and the payload binding
+                         # open (protocol/commitments.py): 16 of each vector, ~5 MB a check.
+                         "opened_chunks": opened_chunks, "binding_chunks": opened_chunks,
                          # Probe filter (validators/probe.py): drop an update whose implied
                          # model makes the loss on 16 beacon-drawn windows worse, by more
                          # than 5 MADs of the round's gains below their median.
@@ -49,25 +53,28 @@ def _preset(task: str, *, steps: int, batch: int, lr: float, k: int, round_secon
 # Tolerances from bench/verification.py (specs/protocol.md section 10): with k = 1 honest
 # recomputations differ by at most 7.2e-8 (1 vs 2 threads) and the weakest cheat (1% noise
 # on the update) by 2.1e-3, so 2e-5; with k = 5 honest reach 6.7e-5 across thread counts,
-# so 1e-3 (the tiny and demo swarms recompute with the same thread count: distance 0).
+# so 1e-3 (the tiny swarms recompute with the same thread count: distance 0). Every
+# worker's payload binding is checked every round (at the binding chunks).
 RUN_PRESETS: dict[str, dict[str, Any]] = {
-    # S = 2 segments and 2 challenges each: every worker is recomputed in full.
+    # S = 2 segments of k = 5 steps and 2 challenges each: every worker is recomputed in
+    # full from whole start states (the k > 1 path of a check).
     "tiny": _preset("tiny", steps=10, batch=8, lr=3e-3, k=5, round_seconds=60.0, rounds=4,
                     challenges=2.0, always_last=True, reveal_seconds=30.0, tolerance=1e-3,
                     ban_rounds=3, vesting_rounds=2),
-    # S = 4: the last segment, which binds the payload to the trail, is always
-    # recomputed, so a payload cheat is caught at once and a free rider (no trail
-    # to reveal) in its first round; each of the 3 validators recomputes 25%.
-    "demo": _preset("demo", steps=20, batch=16, lr=2e-3, k=5, round_seconds=120.0, rounds=8,
-                    challenges=1.0, always_last=True, reveal_seconds=15.0, tolerance=1e-3,
+    # S = 20 one-step segments, one challenged per worker and round: a free rider (no
+    # states to open) is caught in its first round, a forged payload by the binding; each
+    # of the 3 validators recomputes 1/20 of the training.
+    "demo": _preset("demo", steps=20, batch=16, lr=2e-3, k=1, round_seconds=120.0, rounds=8,
+                    challenges=1.0, always_last=False, reveal_seconds=15.0, tolerance=2e-5,
                     ban_rounds=100, vesting_rounds=3),
-    # S = 30, c = 1.15: a check measured 1.26 training steps (state parsing, model build;
-    # both since made cheaper), so recomputation is 1.15 / 30 * 1.26 = 4.8% of training
-    # at most; a free rider is caught in its first round, a worker faking 7 of 30
-    # segments within 10 rounds with p = 0.951, 8 of 30 with p = 0.970.
+    # S = 30, c = 1: a reveal is one whole start (4 bytes per parameter, none for the first
+    # step) and a few opened chunks, so about 3.9 bytes per parameter a round; validators
+    # recompute 1/30 = 3.3% of the training; a free rider is caught in its first round and
+    # a worker faking 8 of 30 segments (a quarter) within the 11-round vesting window with
+    # p = 1 - (22/30)^11 = 0.97 (specs/protocol.md section 10).
     "bench": _preset("bench", steps=30, batch=16, lr=2e-3, k=1, round_seconds=600.0, rounds=30,
-                     challenges=1.15, always_last=False, reveal_seconds=120.0, tolerance=2e-5,
-                     ban_rounds=100, vesting_rounds=5),
+                     challenges=1.0, always_last=False, reveal_seconds=120.0, tolerance=2e-5,
+                     ban_rounds=100, vesting_rounds=11),
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from .messages import RunSpec
 from .outer import OuterState, outer_step
 from .tasks import Task, load_task
 from .tensors import ParamShapes, decode_flat, encode_flat, flatten_params, numel_of, param_shapes
-from .training import InnerConfig, LocalTrainResult, evaluate, local_train
+from .training import InnerConfig, LocalTrainResult, StateSink, evaluate, local_train
 
 
 def inner_config_from_spec(inner: dict[str, Any]) -> InnerConfig:
@@ -117,7 +118,8 @@ class RunContext:
         *,
         device: str = "cpu",
         progress: Callable[[int, float], None] | None = None,
-        keep_states: bool = False,
+        sink: StateSink | None = None,
+        pool: Executor | None = None,
     ) -> LocalTrainResult:
         return local_train(
             self.task,
@@ -127,7 +129,8 @@ class RunContext:
             self.inner,
             device=device,
             progress=progress,
-            keep_states=keep_states,
+            sink=sink,
+            pool=pool,
         )
 
     def update_seed(self, round_index: int) -> int:

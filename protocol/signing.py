@@ -39,6 +39,8 @@ DOMAINS = (
     "secagg_masked_input",
     "secagg_reveal",
     "secagg_opening",
+    "spot_reveal",
+    "reveal_receipt",
 )
 
 

@@ -22,16 +22,17 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .challenges import max_reveal_bytes
-from .errors import PayloadError, RejectedInput
+from .commitments import leaves_of, state_commitment, vector_root
+from .errors import RejectedInput
 from .tasks.base import Dataset, Task
-from .tensors import decode_flat, encode_flat, load_flat_params, sha256_hex
+from .tensors import load_flat_params
 
 # cuBLAS reads this when it creates its workspace; deterministic GEMMs on CUDA
 # need it, and it must be set before the first CUDA matmul of the process.
@@ -39,8 +40,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 #: Largest step count a state may carry: AdamW keeps ``step`` as float32, exact to 2**24.
 MAX_STATE_STEP = 1 << 24
-#: Tensor names of a state file, in the order their values are concatenated.
-STATE_NAMES = ("params", "exp_avg", "exp_avg_sq", "step")
+#: The three vectors of a state, in the order their roots enter its commitment.
+STATE_VECTORS = ("params", "exp_avg", "exp_avg_sq")
 
 
 class ConfigError(RejectedInput):
@@ -126,32 +127,20 @@ class InnerConfig:
 # --- training state -------------------------------------------------------------------
 
 
-def state_layout(numel: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Names and shapes inside a state file for a model of ``numel`` parameters."""
-    return [("params", (numel,)), ("exp_avg", (numel,)), ("exp_avg_sq", (numel,)), ("step", (1,))]
-
-
-def max_state_bytes(numel: int) -> int:
-    """Upper bound on a state file's size, for bounded parsing."""
-    return max_reveal_bytes(numel)
-
-
 @dataclass(frozen=True, eq=False)
 class TrainingState:
-    """Parameters and AdamW state at a segment boundary, as flat float32 CPU vectors.
+    """Parameters and AdamW state after ``step`` optimizer steps, as flat float32 vectors.
 
-    ``exp_avg``/``exp_avg_sq`` are AdamW's first and second moments laid out
-    like the parameters; ``step`` is how many optimizer steps produced them.
-    Canonical bytes: a safetensors file with float32 tensors ``params``,
-    ``exp_avg``, ``exp_avg_sq`` (each ``[numel]``) and ``step`` (``[1]``), no
-    metadata. Its sha256 is the trail entry.
+    ``exp_avg``/``exp_avg_sq`` are AdamW's first and second moments laid out like
+    the parameters (``model.parameters()`` order, as ``flatten_params``). The
+    vectors may be views of a trainer's live buffers: consume them before its next
+    step.
     """
 
     params: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: int
-    _cache: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def initial(cls, flat: torch.Tensor) -> TrainingState:
@@ -163,55 +152,47 @@ class TrainingState:
     def numel(self) -> int:
         return self.params.numel()
 
-    def to_bytes(self) -> bytes:
-        """The canonical state file (computed once, then cached)."""
-        data = self._cache.get("bytes")
-        if data is None:
-            flat = torch.cat(
-                [self.params, self.exp_avg, self.exp_avg_sq, torch.tensor([float(self.step)])]
-            )
-            data = encode_flat(flat, state_layout(self.numel))
-            self._cache["bytes"] = data
-        assert isinstance(data, bytes)
-        return data
+    def vectors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.params, self.exp_avg, self.exp_avg_sq
 
-    def hash(self) -> str:
-        """Hex sha256 of :meth:`to_bytes`: the trail entry for this state."""
-        h = self._cache.get("hash")
-        if h is None:
-            h = sha256_hex(self.to_bytes())
-            self._cache["hash"] = h
-        assert isinstance(h, str)
-        return h
+    def leaves(self, *, pool: Executor | None = None, parts: int = 1
+               ) -> tuple[bytes, bytes, bytes]:
+        """The leaf lists of the three vectors (CPU vectors only)."""
+        return tuple(leaves_of(vector_bytes(v), pool=pool, parts=parts)  # type: ignore[return-value]
+                     for v in self.vectors())
 
-    @classmethod
-    def from_bytes(cls, data: bytes, *, numel: int) -> TrainingState:
-        """Parse a received state file for a model of ``numel`` parameters.
+    def commitment(self) -> str:
+        """The trail entry of this state (:func:`commitment_of`)."""
+        return commitment_of(self.step, self.numel, self.leaves())
 
-        Bounded: size, names, shapes and dtypes must match exactly; values
-        must be finite, ``exp_avg_sq`` non-negative and ``step`` an integer in
-        ``[0, 2**24)``. Raises :class:`PayloadError` (or a subclass) otherwise.
-        """
-        flat = decode_flat(data, state_layout(numel), max_bytes=max_state_bytes(numel))
-        params, exp_avg, exp_avg_sq, step_t = flat.split([numel, numel, numel, 1])
-        step = float(step_t.item())
-        if not (step.is_integer() and 0 <= step < MAX_STATE_STEP):
-            raise PayloadError(f"state step {step} is not an integer in [0, {MAX_STATE_STEP})")
-        if bool((exp_avg_sq < 0).any()):
-            raise PayloadError("state exp_avg_sq holds negative values")
-        # Views of the freshly decoded vector (no one else holds it): no copies needed.
-        return cls(params, exp_avg, exp_avg_sq, int(step))
+
+def vector_bytes(vec: torch.Tensor) -> memoryview:
+    """The float32 little-endian bytes of a contiguous CPU vector, without a copy."""
+    if vec.device.type != "cpu" or vec.dtype != torch.float32 or not vec.is_contiguous():
+        raise ValueError("a committed vector is a contiguous float32 CPU tensor")
+    return memoryview(vec.numpy()).cast("B")
+
+
+def leaves_of_vector(vec: torch.Tensor) -> bytes:
+    """The leaf list of a CPU float32 vector."""
+    return leaves_of(vector_bytes(vec.contiguous()))
+
+
+def commitment_of(step: int, numel: int, leaves: Sequence[bytes]) -> str:
+    """A state's trail entry from the leaf lists of its three vectors."""
+    return state_commitment(step, numel, [vector_root(x, numel) for x in leaves])
 
 
 def state_distance(a: TrainingState, b: TrainingState) -> float:
     """Largest :func:`relative_distance` of the three vectors (``inf`` if steps differ)."""
     if a.step != b.step or a.numel != b.numel:
         return math.inf
-    return max(
-        relative_distance(a.params, b.params),
-        relative_distance(a.exp_avg, b.exp_avg),
-        relative_distance(a.exp_avg_sq, b.exp_avg_sq),
-    )
+    return vectors_distance(a.vectors(), b.vectors())
+
+
+def vectors_distance(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    """Largest :func:`relative_distance` of paired vectors (params, exp_avg, exp_avg_sq)."""
+    return max(relative_distance(x, y) for x, y in zip(a, b, strict=True))
 
 
 def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -292,6 +273,11 @@ def deterministic_mode(device: torch.device, enabled: bool = True) -> Iterator[N
 # --- the loop -------------------------------------------------------------------------
 
 
+#: Called with each committed state (a view of the trainer's buffers, valid only during
+#: the call) and its three leaf lists, on a hashing thread, before the next step changes it.
+StateSink = Callable[[TrainingState, tuple[bytes, bytes, bytes]], None]
+
+
 @dataclass
 class LocalTrainResult:
     """What one worker-round of local training produced."""
@@ -300,17 +286,17 @@ class LocalTrainResult:
     delta: torch.Tensor  # pseudo-gradient: base_flat - final_flat, float32 CPU
     losses: list[float]  # training loss at each inner step, before that step's update
     samples: int  # steps * batch_size
-    trail: list[str]  # hex sha256 of the state after steps k, 2k, ..., H
+    trail: list[str]  # commitments of the states after steps k, 2k, ..., H
     final_state: TrainingState
-    states: list[TrainingState] = field(default_factory=list)  # boundaries 0, k, ..., H if kept
+    final_leaves: tuple[bytes, bytes, bytes] = field(repr=False, default=(b"", b"", b""))
 
 
-class _Segment:
-    """A model on ``device`` that runs k-step segments from a :class:`TrainingState`.
+class _Trainer:
+    """A model on ``device`` whose parameters and AdamW moments are three flat buffers.
 
-    Built once per :func:`local_train` (model construction is the only
-    costly part); each segment reloads parameters and rebuilds AdamW from the
-    state, so running a segment never depends on anything but its inputs.
+    Built once (model construction is the costly part); :meth:`load` writes a state
+    into the buffers and resets the optimizer's step, so what a run of steps
+    computes depends only on the state it starts from and its rows.
     """
 
     def __init__(
@@ -321,10 +307,10 @@ class _Segment:
         self.model.train()
         self.params = list(self.model.parameters())
         self.numel = sum(p.numel() for p in self.params)
-
-    def _optimizer(self, start: TrainingState) -> torch.optim.AdamW:
-        cfg = self.cfg
-        opt = torch.optim.AdamW(
+        self.flat = torch.empty(self.numel, dtype=torch.float32, device=device)
+        self.exp_avg = torch.zeros_like(self.flat)
+        self.exp_avg_sq = torch.zeros_like(self.flat)
+        self.opt = torch.optim.AdamW(
             self.params,
             lr=cfg.lr,
             betas=cfg.betas,
@@ -334,71 +320,165 @@ class _Segment:
             fused=False,
         )
         offset = 0
-        for p in self.params:
-            n = p.numel()
-            opt.state[p] = {
-                # AdamW keeps step as a float32 CPU scalar when not capturable/fused.
-                "step": torch.tensor(float(start.step), dtype=torch.float32),
-                "exp_avg": start.exp_avg[offset : offset + n].view_as(p).to(self.device, copy=True),
-                "exp_avg_sq": start.exp_avg_sq[offset : offset + n]
-                .view_as(p)
-                .to(self.device, copy=True),
-            }
-            offset += n
-        return opt
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                self.flat[offset:offset + n].copy_(p.detach().reshape(-1).float())
+                p.data = self.flat[offset:offset + n].view_as(p)
+                self.opt.state[p] = {
+                    # AdamW keeps step as a float32 CPU scalar when not capturable/fused.
+                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "exp_avg": self.exp_avg[offset:offset + n].view_as(p),
+                    "exp_avg_sq": self.exp_avg_sq[offset:offset + n].view_as(p),
+                }
+                offset += n
+        self.step = 0
 
-    def _state(self, opt: torch.optim.AdamW, step: int) -> TrainingState:
-        def flat(key: str) -> torch.Tensor:
-            return torch.cat(
-                [opt.state[p][key].detach().reshape(-1).float().cpu() for p in self.params]
-            )
-
-        params = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
-        if not bool(torch.isfinite(params).all()):
-            raise TrainingDivergedError(f"parameters are not finite after step {step}")
-        return TrainingState(params, flat("exp_avg"), flat("exp_avg_sq"), step)
-
-    def run(
-        self,
-        start: TrainingState,
-        batch_indices: torch.Tensor,
-        losses: list[float],
-        progress: Callable[[int, float], None] | None,
-    ) -> TrainingState:
-        """Steps ``start.step + 1 ..`` on the rows of ``batch_indices`` (``[k, B]``)."""
+    def load(self, start: TrainingState) -> None:
+        """Make ``start`` the current state (parameters, moments and step)."""
         if start.numel != self.numel:
             raise ValueError(f"state has {start.numel} parameters, model has {self.numel}")
-        if batch_indices.dim() != 2 or batch_indices.shape[1] != self.cfg.batch_size:
-            raise ValueError(
-                f"batch indices must be [k, {self.cfg.batch_size}], got {tuple(batch_indices.shape)}"
-            )
-        load_flat_params(self.model, start.params.to(self.device))
-        opt = self._optimizer(start)
-        step = start.step
+        with torch.no_grad():
+            for buf, vec in zip((self.flat, self.exp_avg, self.exp_avg_sq), start.vectors(),
+                                strict=True):
+                buf.copy_(vec.reshape(-1))
+        for p in self.params:
+            self.opt.state[p]["step"].fill_(float(start.step))
+        self.step = start.step
+
+    def state(self) -> TrainingState:
+        """The current state as views of the buffers (no copy)."""
+        return TrainingState(self.flat, self.exp_avg, self.exp_avg_sq, self.step)
+
+    def gradients(self, row: torch.Tensor) -> float:
+        """Forward and backward on one batch; clipped gradients in ``p.grad``; the loss."""
+        batch = self.task.make_batch(self.dataset, row, device=self.device)
+        self.opt.zero_grad(set_to_none=True)
         with torch.enable_grad():
-            for row in batch_indices:
-                step += 1
-                batch = self.task.make_batch(self.dataset, row, device=self.device)
-                opt.zero_grad(set_to_none=True)
-                loss = self.task.loss(self.model, batch)
-                value = float(loss.detach())
-                if not math.isfinite(value):
-                    raise TrainingDivergedError(
-                        f"loss is {value} at step {step}; lower the learning rate"
-                    )
-                loss.backward()
-                for p in self.params:
-                    if (
-                        p.grad is None
-                    ):  # unused parameters count as zero gradient, so all share `step`
-                        p.grad = torch.zeros_like(p)
-                if self.cfg.grad_clip is not None:
-                    torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=False)
-                opt.step()
-                losses.append(value)
-                if progress is not None:
-                    progress(step, value)
-        return self._state(opt, step)
+            loss = self.task.loss(self.model, batch)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise TrainingDivergedError(
+                    f"loss is {value} at step {self.step + 1}; lower the learning rate")
+            loss.backward()
+        for p in self.params:
+            if p.grad is None:  # unused parameters count as zero gradient, so all share `step`
+                p.grad = torch.zeros_like(p)
+        if self.cfg.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=False)
+        return value
+
+    def apply(self) -> None:
+        """The optimizer step on the gradients :meth:`gradients` left."""
+        self.opt.step()
+        self.step += 1
+
+
+class _Committer:
+    """Commits states on hashing threads while the trainer computes the next step.
+
+    CPU buffers are hashed in place: the trainer's next optimizer step waits for
+    :meth:`wait`. CUDA buffers are first copied to pinned host memory on a side
+    stream, and only that copy must finish before the next step.
+    """
+
+    def __init__(self, trainer: _Trainer, pool: Executor | None, sink: StateSink | None
+                 ) -> None:
+        self.trainer, self.pool, self.sink = trainer, pool, sink
+        self.pending: Future[tuple[str, tuple[bytes, bytes, bytes]]] | None = None
+        self.cuda = trainer.device.type == "cuda"
+        if self.cuda:
+            self.host = torch.empty((3, trainer.numel), dtype=torch.float32, pin_memory=True)
+            self.stream = torch.cuda.Stream(device=trainer.device)
+            self.copied = torch.cuda.Event()
+
+    def submit(self) -> None:
+        """Start committing the trainer's current state (call right after a step)."""
+        t = self.trainer
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(self.stream):
+                for row, buf in zip(self.host, (t.flat, t.exp_avg, t.exp_avg_sq), strict=True):
+                    row.copy_(buf, non_blocking=True)
+                self.copied.record(self.stream)
+            state = TrainingState(self.host[0], self.host[1], self.host[2], t.step)
+        else:
+            state = t.state()
+        if self.pool is None:
+            self.pending = _done(self._commit(state))
+        else:
+            self.pending = self.pool.submit(self._commit, state)
+
+    def _commit(self, state: TrainingState) -> tuple[str, tuple[bytes, bytes, bytes]]:
+        if self.cuda:
+            self.copied.synchronize()
+        leaves = state.leaves()
+        if self.sink is not None:
+            self.sink(state, leaves)
+        return commitment_of(state.step, state.numel, leaves), leaves
+
+    def before_step(self) -> None:
+        """Block until the buffers may change: the pending state is read (CPU) or copied."""
+        if self.pending is None:
+            return
+        if self.cuda:
+            self.copied.synchronize()
+        else:
+            self.pending.result()
+
+    def wait(self) -> tuple[str, tuple[bytes, bytes, bytes]]:
+        assert self.pending is not None
+        out = self.pending.result()
+        self.pending = None
+        return out
+
+
+def _done(value: object) -> Future:  # type: ignore[type-arg]
+    f: Future = Future()  # type: ignore[type-arg]
+    f.set_result(value)
+    return f
+
+
+def run_steps(
+    trainer: _Trainer,
+    rows: torch.Tensor,
+    *,
+    losses: list[float],
+    commit_every: int,
+    pool: Executor | None = None,
+    sink: StateSink | None = None,
+    progress: Callable[[int, float], None] | None = None,
+) -> tuple[list[str], tuple[bytes, bytes, bytes]]:
+    """Run the steps of ``rows`` (``[n, B]``) from the trainer's state, committing the state
+    after every ``commit_every`` steps (counted from step 0); the commitments and the
+    last state's leaves."""
+    if rows.dim() != 2 or rows.shape[1] != trainer.cfg.batch_size:
+        raise ValueError(
+            f"batch indices must be [n, {trainer.cfg.batch_size}], got {tuple(rows.shape)}")
+    committer = _Committer(trainer, pool, sink)
+    trail: list[str] = []
+    last: tuple[bytes, bytes, bytes] = (b"", b"", b"")
+    for row in rows:
+        value = trainer.gradients(row)
+        committer.before_step()
+        if committer.pending is not None and not committer.cuda:
+            entry, last = committer.wait()
+            trail.append(entry)
+        trainer.apply()
+        losses.append(value)
+        if progress is not None:
+            progress(trainer.step, value)
+        if trainer.step % commit_every == 0:
+            if committer.pending is not None:  # CUDA: the copy is done, the hashing may run on
+                entry, last = committer.wait()
+                trail.append(entry)
+            committer.submit()
+    if committer.pending is not None:
+        entry, last = committer.wait()
+        trail.append(entry)
+    if not bool(torch.isfinite(trainer.flat).all()):
+        raise TrainingDivergedError(f"parameters are not finite after step {trainer.step}")
+    return trail, last
 
 
 def train_segment(
@@ -411,30 +491,109 @@ def train_segment(
     device: str | torch.device = "cpu",
     deterministic: bool = True,
 ) -> TrainingState:
-    """Recompute the steps of ``batch_indices`` (``[k, batch_size]``) from a revealed state.
+    """Recompute the steps of ``batch_indices`` (``[k, batch_size]``) from a full state.
 
-    Exactly what :func:`local_train` runs between two trail hashes.
+    Exactly what :func:`local_train` runs between two trail commitments; returns a
+    copy of the end state on the CPU.
     """
     dev = torch.device(device)
     with deterministic_mode(dev, deterministic):
-        return _segment_runner(task, dataset, cfg, dev).run(start, batch_indices, [], None)
+        trainer = _trainer_for(task, dataset, cfg, dev)
+        trainer.load(start)
+        if batch_indices.dim() != 2 or batch_indices.shape[1] != cfg.batch_size:
+            raise ValueError(
+                f"batch indices must be [k, {cfg.batch_size}], got {tuple(batch_indices.shape)}")
+        for row in batch_indices:
+            trainer.gradients(row)
+            trainer.apply()
+        end = trainer.state()
+        return TrainingState(*(v.detach().cpu().clone() for v in end.vectors()), end.step)
 
 
-_RUNNERS: list[_Segment] = []
+def train_step_at(
+    task: Task,
+    dataset: Dataset,
+    start_params: torch.Tensor,
+    start_step: int,
+    moments: tuple[torch.Tensor, torch.Tensor] | None,
+    index: torch.Tensor,
+    row: torch.Tensor,
+    cfg: InnerConfig,
+    *,
+    device: str | torch.device = "cpu",
+    deterministic: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step from full parameters, the optimizer applied at the coordinates ``index`` only.
+
+    The gradient needs every parameter, but AdamW is elementwise after the (global)
+    gradient clipping: given the start moments at ``index`` (``moments``; zero for the
+    round's first step, ``None``), the end parameters and moments at ``index`` follow
+    exactly as a full step would compute them. Returns them as CPU float32 vectors.
+    """
+    dev = torch.device(device)
+    with deterministic_mode(dev, deterministic):
+        trainer = _trainer_for(task, dataset, cfg, dev)
+        with torch.no_grad():
+            trainer.flat.copy_(start_params.reshape(-1))
+        trainer.step = start_step
+        trainer.gradients(row)
+        grad = torch.cat([p.grad.reshape(-1) for p in trainer.params])
+        idx = index.to(dev)
+        piece = torch.nn.Parameter(trainer.flat[idx].clone())
+        piece.grad = grad[idx].clone()
+        m, v = (moments if moments is not None
+                else (torch.zeros(idx.numel()), torch.zeros(idx.numel())))
+        opt = torch.optim.AdamW([piece], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                weight_decay=cfg.weight_decay, foreach=False, fused=False)
+        opt.state[piece] = {"step": torch.tensor(float(start_step), dtype=torch.float32),
+                            "exp_avg": m.to(dev, dtype=torch.float32).clone(),
+                            "exp_avg_sq": v.to(dev, dtype=torch.float32).clone()}
+        opt.step()
+        state = opt.state[piece]
+        return (piece.detach().cpu(), state["exp_avg"].detach().cpu(),
+                state["exp_avg_sq"].detach().cpu())
 
 
-def _segment_runner(task: Task, dataset: Dataset, cfg: InnerConfig,
-                    device: torch.device) -> _Segment:
-    """A validator checks many segments of one run: reuse the last model built for the
-    same task, dataset, settings and device (a segment reloads every parameter and the
-    optimizer state from its start state, so reuse cannot change a result)."""
-    for runner in _RUNNERS:
-        if (runner.task is task and runner.dataset is dataset and runner.cfg == cfg
-                and runner.device == device):
-            return runner
-    runner = _Segment(task, dataset, cfg, device)
-    _RUNNERS[:] = [runner, *_RUNNERS[:1]]
-    return runner
+def replay_steps(
+    task: Task,
+    dataset: Dataset,
+    start: TrainingState,
+    rows: torch.Tensor,
+    cfg: InnerConfig,
+    *,
+    device: str | torch.device = "cpu",
+    deterministic: bool = True,
+    sink: StateSink | None = None,
+) -> list[str]:
+    """Run ``rows`` again from a kept state, as the original run did: the commitments of
+    the states after every k-th step (counted from step 0). A worker replays to rebuild
+    states it did not keep; on the same device and thread count they are the same bits."""
+    dev = torch.device(device)
+    with deterministic_mode(dev, deterministic):
+        trainer = _Trainer(task, dataset, cfg, dev)
+        trainer.load(start)
+        trail, _ = run_steps(trainer, rows, losses=[], commit_every=cfg.trail_every, sink=sink)
+    return trail
+
+
+_TRAINERS: list[_Trainer] = []
+_TRAINERS_LOCK = threading.Lock()
+
+
+def _trainer_for(task: Task, dataset: Dataset, cfg: InnerConfig,
+                 device: torch.device) -> _Trainer:
+    """A validator checks many steps of one run: reuse the last model built for the same
+    task, dataset, settings and device (every check loads all the state it uses, so reuse
+    cannot change a result). One per thread at a time: checks run in one thread."""
+    with _TRAINERS_LOCK:
+        for trainer in _TRAINERS:
+            if (trainer.task is task and trainer.dataset is dataset and trainer.cfg == cfg
+                    and trainer.device == device):
+                return trainer
+    trainer = _Trainer(task, dataset, cfg, device)
+    with _TRAINERS_LOCK:
+        _TRAINERS[:] = [trainer, *_TRAINERS[:1]]
+    return trainer
 
 
 def local_train(
@@ -447,40 +606,46 @@ def local_train(
     device: str | torch.device = "cpu",
     deterministic: bool = True,
     progress: Callable[[int, float], None] | None = None,
-    keep_states: bool = False,
+    sink: StateSink | None = None,
+    pool: Executor | None = None,
+    start: TrainingState | None = None,
 ) -> LocalTrainResult:
     """Run ``cfg.steps`` AdamW steps from ``base_flat`` on ``assignment`` (``[steps, batch_size]``).
 
-    ``progress(step, loss)`` is called after every step. With
-    ``keep_states`` the boundary states (the start and every k-th step) are
-    returned, which a worker needs to answer spot-check challenges.
+    ``progress(step, loss)`` is called after every step; ``sink`` gets every committed
+    state with its leaves (a worker stores what it may have to reveal), on a thread of
+    ``pool`` when one is given (the hashing then overlaps the next step). ``start``
+    resumes from a stored mid-round state (the rows are then the rest of the round):
+    a worker that kept only some states replays the others this way.
     """
-    if tuple(assignment.shape) != (cfg.steps, cfg.batch_size):
+    first = 0 if start is None else start.step
+    if tuple(assignment.shape) != (cfg.steps - first, cfg.batch_size):
         raise ValueError(
-            f"assignment must be [{cfg.steps}, {cfg.batch_size}], got {tuple(assignment.shape)}"
-        )
+            f"assignment must be [{cfg.steps - first}, {cfg.batch_size}], "
+            f"got {tuple(assignment.shape)}")
     dev = torch.device(device)
-    state = TrainingState.initial(base_flat)
-    states = [state] if keep_states else []
     losses: list[float] = []
-    trail: list[str] = []
-    k = cfg.trail_every
     with deterministic_mode(dev, deterministic):
-        segment = _Segment(task, dataset, cfg, dev)
-        for s in range(cfg.segments):
-            state = segment.run(state, assignment[s * k : (s + 1) * k], losses, progress)
-            trail.append(state.hash())
-            if keep_states:
-                states.append(state)
-    final = state.params
+        trainer = _Trainer(task, dataset, cfg, dev)
+        trainer.load(start if start is not None else TrainingState.initial(base_flat))
+        trail, leaves = run_steps(trainer, assignment, losses=losses,
+                                  commit_every=cfg.trail_every, pool=pool, sink=sink,
+                                  progress=progress)
+    final = trainer.flat.detach().cpu()
+    if final.data_ptr() == trainer.flat.data_ptr():
+        final_state = TrainingState(trainer.flat, trainer.exp_avg, trainer.exp_avg_sq,
+                                    trainer.step)
+    else:
+        final_state = TrainingState(final, trainer.exp_avg.cpu(), trainer.exp_avg_sq.cpu(),
+                                    trainer.step)
     return LocalTrainResult(
         final_flat=final,
         delta=state_base(base_flat) - final,
         losses=losses,
         samples=cfg.steps * cfg.batch_size,
         trail=trail,
-        final_state=state,
-        states=states,
+        final_state=final_state,
+        final_leaves=leaves,
     )
 
 

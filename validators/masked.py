@@ -55,7 +55,7 @@ from veritrain.protocol.secagg_wire import advert_of, bucket_context, commitment
 
 from .checks import Candidate, admit, admit_envelope, group_by_worker
 from .round import FilteredRound, resolve_aggregator_params, round_challenges
-from .segments import check_segment
+from .spot_checks import check_reveal, failure_where, revealed_payload
 
 
 @dataclass
@@ -150,17 +150,17 @@ def filter_masked_round(
     view: Mapping[str, Any],
     words: Mapping[str, np.ndarray],
     *,
-    evidence: Mapping[str, bytes] | None = None,
+    reveals: Mapping[str, bytes | None] | None = None,
     device: str = "cpu",
 ) -> FilteredRound:
     """Verdicts and one row per surviving bucket (its mean) for a masked round.
 
     ``view`` is the ledger's board (``GET .../secagg``), ``words`` the survivors'
-    masked inputs by worker, ``evidence`` the opened workers' revealed files
-    (training states, residuals and payloads) by content hash.
+    masked inputs by worker, ``reveals`` the opened workers' reveal files (which carry
+    their payloads: the ledger never stored them).
     """
     spec = run.spec
-    evidence = evidence or {}
+    reveals = reveals or {}
     boards, openings = parse_board(spec, view)
     verdicts: dict[str, dict[str, Any]] = {}
     by_worker, repeated = group_by_worker(candidates)
@@ -194,13 +194,13 @@ def filter_masked_round(
     challenges = round_challenges(run, candidates, beacon_seed)
     checks: dict[str, list[dict[str, Any]]] = {}
     distances: dict[str, float] = {}
-    for worker in sorted(challenges):
+    for worker in sorted(w for w, segments in challenges.items() if segments):
         if worker in verdicts or worker not in by_worker:
             continue
         c = by_worker[worker]
         sub = c.signed.message
         bk = bucket_of.get(worker)
-        payload = evidence.get(sub.payload_hash)
+        payload = revealed_payload(run, sub, challenges[worker], reveals.get(worker))
         try:
             update = admit(Candidate(c.signed, payload), run, round_index, base_model_hash,
                            registered, banned)
@@ -209,8 +209,8 @@ def filter_masked_round(
             if bk is not None and worker in bk.board.survivors and bk.dropped is None:
                 bk.dropped = f"{worker[:12]}'s masked input cannot be opened"
             continue
-        results = [check_segment(run, base_flat, sub, payload or b"", j, evidence,
-                                 device=device) for j in challenges[worker]]
+        results = check_reveal(run, base_flat, sub, None, challenges[worker],
+                               reveals.get(worker), beacon_seed, device=device, masked=True)
         checks[worker] = [x.to_json() for x in results]
         finite = [x.distance for x in results if x.distance is not None]
         if finite:
@@ -220,8 +220,8 @@ def filter_masked_round(
                  "checks": checks[worker]}
         if bk is None or worker not in bk.board.survivors or bk.dropped is not None:
             if failed:
-                reject(worker, "spot_check_failed",
-                       f"segment {failed[0].segment}: {failed[0].note}", **extra)
+                reject(worker, "spot_check_failed", f"{failure_where(failed[0])}: "
+                       f"{failed[0].note}", **extra)
             continue
         q = _open(bk.board, worker, update, openings.get(worker), words.get(worker))
         if q is None:
@@ -230,7 +230,7 @@ def filter_masked_round(
             bk.dropped = f"{worker[:12]}'s masked input does not open"
         elif failed:
             reject(worker, "spot_check_failed",
-                   f"segment {failed[0].segment}: {failed[0].note}", **extra)
+                   f"{failure_where(failed[0])}: {failed[0].note}", **extra)
             bk.removed[worker] = q
 
     rows: list[torch.Tensor] = []

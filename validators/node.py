@@ -28,18 +28,20 @@ from veritrain.protocol.beacon import (
     shard_check_root,
     verify_fixed_beacon,
 )
-from veritrain.protocol.challenges import max_reveal_bytes
+from veritrain.protocol.challenges import ChallengePolicy, max_reveal_file_bytes
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import (
     BeaconShare,
     CertifiedState,
     Registration,
+    RevealReceipt,
     RoundResult,
     RunSpec,
     ShardCheckShare,
     ShardFindingReport,
     ShardPublication,
+    SpotReveal,
     Submission,
     digest_of,
     max_shard_file_bytes,
@@ -167,25 +169,48 @@ class ValidatorNode:
             raise RejectedInput(f"the ledger's beacon does not verify: {exc}",
                                 "invalid_beacon") from exc
 
-    async def gather_evidence(self, client: LedgerClient, run_id: str, r: int,
-                              numel: int) -> dict[str, bytes]:
-        """Wait until every challenge is answered or the reveal deadline passes; fetch files.
+    async def gather_reveals(self, client: LedgerClient, run: RunContext, r: int,
+                             submitted: dict[str, str]) -> dict[str, bytes]:
+        """Wait until every due reveal arrived or the reveal deadline passed; fetch the files.
 
-        What was not revealed in time is simply absent, and the segment checks
-        that need it fail.
+        A reveal counts only in its worker's signed envelope, for this run and round,
+        naming that worker's sealed submission (``submitted``: worker -> its digest), with
+        the ledger's receipt; what is missing is simply absent, and the checks that need
+        it fail.
         """
-        path = f"/v1/runs/{run_id}/rounds/{r}/challenges"
+        spec = run.spec
+        path = f"/v1/runs/{spec.run_id}/rounds/{r}/challenges"
         view = await client.get_json(path)
         while not view["complete"] and (not view["fixed"] or view["now"] < view["reveal_deadline"]):
             await asyncio.sleep(self.config.poll_seconds)
             view = await client.get_json(path)
-        evidence: dict[str, bytes] = {}
+        ledger_key = (await client.get_json("/v1/ledger"))["ledger_key"]
+        policy = ChallengePolicy.of_run(spec)
+        reveals: dict[str, bytes] = {}
         for c in view["challenges"]:
-            for digest in c["received"]:
-                if digest not in evidence:
-                    evidence[digest] = await client.get_blob(
-                        digest, max_bytes=max_reveal_bytes(numel))
-        return evidence
+            worker, got = c["worker"], c["reveal"]
+            if got is None or worker not in submitted:
+                continue
+            try:
+                env = open_signed(got["envelope"], SpotReveal)
+                receipt = open_signed(got["receipt"], RevealReceipt)
+                msg = env.message
+                if (env.signer != worker or msg.worker != worker
+                        or (msg.run_id, msg.round) != (spec.run_id, r)
+                        or msg.submission_digest != submitted[worker]):
+                    raise RejectedInput("reveal envelope is not its worker's for this round",
+                                        "bad_signature")
+                if receipt.signer != ledger_key or receipt.message.reveal_digest != env.digest:
+                    raise RejectedInput("reveal receipt is not the ledger's for it",
+                                        "bad_signature")
+                bound = max_reveal_file_bytes(
+                    run.numel, run.inner.trail_every, len(c["segments"]) or 1, policy,
+                    payload_bytes=spec.limits["max_payload_bytes"] if spec.masked else 0)
+                reveals[worker] = await client.get_blob(msg.reveal_hash,
+                                                        max_bytes=min(msg.reveal_bytes, bound))
+            except (RejectedInput, LedgerRefused) as exc:
+                log.warning("round %d: reveal of %s unusable: %s", r, worker[:12], exc)
+        return reveals
 
     async def validate_round(self, client: LedgerClient, run: RunContext,
                              info: dict[str, Any]) -> RoundOutcome:
@@ -231,10 +256,11 @@ class ValidatorNode:
             filtered = await self.masked_filter(client, run, info, base_flat, candidates,
                                                 registered, banned, seed)
         else:
-            evidence = await self.gather_evidence(client, spec.run_id, r, run.numel)
+            reveals = await self.gather_reveals(
+                client, run, r, {c.worker: c.signed.digest for c in candidates})
             filtered = await asyncio.to_thread(
                 filter_round, run, r, info["base_model_hash"], base_flat, candidates,
-                registered, banned, seed, evidence=evidence, device=self.config.device)
+                registered, banned, seed, reveals=reveals, device=self.config.device)
         if spec.shards and filtered.stacked is not None:
             aggregate = await self.sharded_aggregate(client, run, filtered)
         else:
@@ -283,7 +309,8 @@ class ValidatorNode:
         while not view["complete"]:
             await asyncio.sleep(self.config.poll_seconds)
             view = await client.get_json(path)
-        evidence = await self.gather_evidence(client, spec.run_id, r, run.numel)
+        reveals = await self.gather_reveals(
+            client, run, r, {c.worker: c.signed.digest for c in candidates})
         challenges = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/challenges")
         survivors = {w for b in view["buckets"] if b["live"] for w in b["survivors"] or ()}
         waiting = {c["worker"] for c in challenges["challenges"]} & survivors
@@ -305,7 +332,7 @@ class ValidatorNode:
                             body["worker"][:12], exc)
         filtered = await asyncio.to_thread(
             filter_masked_round, run, r, info["base_model_hash"], base_flat, candidates,
-            registered, banned, seed, view, words, evidence=evidence,
+            registered, banned, seed, view, words, reveals=reveals,
             device=self.config.device)
         live = sum(1 for b in view["buckets"] if b["live"])
         log.info("round %d: %d of %d buckets unmasked, %d rows aggregated", r, live,

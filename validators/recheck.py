@@ -1,9 +1,10 @@
 """``veritrain audit recheck``: re-run a recorded spot check from the ledger's evidence.
 
 Anyone can take a finalized round's verdict for one worker, fetch the stored
-evidence (the signed submission, its payload, the revealed states and
-residual, the certified base model) and recompute every recorded segment
-check, to see that the verdict, not just its signature, holds.
+evidence (the signed submission, its payload, the worker's reveal, the round's
+beacon and the certified base model) and recompute every recorded check (the
+challenged segments and the payload binding), to see that the verdict, not just
+its signature, holds.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import contextlib
 from typing import Any
 
 from veritrain.ledger.client import LedgerClient, LedgerRefused, fetch_base_files, fetch_run
-from veritrain.protocol.challenges import max_reveal_bytes
-from veritrain.protocol.messages import Submission, open_signed
+from veritrain.protocol.beacon import beacon_seed_of
+from veritrain.protocol.messages import SpotReveal, Submission, open_signed
 from veritrain.protocol.runtime import RunContext
 
-from .segments import check_segment
+from .spot_checks import check_reveal
 
 
 async def recheck(client: LedgerClient, run_id: str | None, r: int, worker_prefix: str
@@ -36,23 +37,25 @@ async def recheck(client: LedgerClient, run_id: str | None, r: int, worker_prefi
     sealed = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/submissions")
     signed = next(s for s in (open_signed(w, Submission) for w in sealed["submissions"])
                   if s.message.worker == verdict["worker"])
-    payload = await client.get_blob(signed.message.payload_hash,
-                                    max_bytes=signed.message.payload_bytes)
-    rows = []
-    for recorded in verdict["checks"]:
-        evidence: dict[str, bytes] = {}
-        for digest in (recorded["start"], recorded["end"], recorded["ef"]):
-            if digest is None:
-                continue
-            # A file never revealed is simply absent: the recomputation fails the same way.
-            with contextlib.suppress(LedgerRefused):
-                evidence[digest] = await client.get_blob(digest,
-                                                         max_bytes=max_reveal_bytes(run.numel))
-        again = check_segment(run, base_flat, signed.message, payload, recorded["segment"],
-                              evidence).to_json()
-        rows.append({"recorded": recorded, "recomputed": again,
-                     "agrees": again["ok"] == recorded["ok"]})
-    return rows
+    beacon = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/beacon")
+    seed = bytes.fromhex(beacon_seed_of(beacon["beacon"]))
+    masked = spec.masked is not None
+    payload = None if masked else await client.get_blob(signed.message.payload_hash,
+                                                        max_bytes=signed.message.payload_bytes)
+    view = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/challenges")
+    mine = next((c for c in view["challenges"] if c["worker"] == verdict["worker"]), None)
+    reveal = None
+    if mine is not None and mine["reveal"] is not None:
+        envelope = open_signed(mine["reveal"]["envelope"], SpotReveal).message
+        # A file that is gone is simply absent: the recomputation fails the same way.
+        with contextlib.suppress(LedgerRefused):
+            reveal = await client.get_blob(envelope.reveal_hash, max_bytes=envelope.reveal_bytes)
+    segments = [c["segment"] for c in verdict["checks"] if c.get("kind", "step") == "step"]
+    again = check_reveal(run, base_flat, signed.message, payload, segments, reveal, seed,
+                         masked=masked) if verdict["checks"] else []
+    return [{"recorded": recorded, "recomputed": res.to_json(),
+             "agrees": res.ok == recorded["ok"]}
+            for recorded, res in zip(verdict["checks"], again, strict=False)]
 
 
 async def run_recheck(args: argparse.Namespace) -> int:
@@ -62,7 +65,8 @@ async def run_recheck(args: argparse.Namespace) -> int:
         rows = await recheck(client, args.run, int(args.arg), args.worker)
     for row in rows:
         rec, again = row["recorded"], row["recomputed"]
-        print(f"segment {rec['segment']:>3}: recorded {'ok' if rec['ok'] else 'FAIL'} "
+        what = "binding    " if rec.get("kind") == "binding" else f"segment {rec['segment']:>3}"
+        print(f"{what}: recorded {'ok' if rec['ok'] else 'FAIL'} "
               f"(distance {rec['distance']}), recomputed {'ok' if again['ok'] else 'FAIL'} "
               f"(distance {again['distance']}) {'agrees' if row['agrees'] else 'DISAGREES'}"
               f"{': ' + again['note'] if again['note'] else ''}")

@@ -1,6 +1,6 @@
 """Processing one closed round: the validator's sans-IO core.
 
-    admit -> decode -> segment checks -> norm filter -> probe filter -> robust aggregate
+    admit -> decode -> spot checks -> norm filter -> probe filter -> robust aggregate
           -> compress the aggregate (error feedback) -> outer Nesterov step on what
           was sent -> eval loss -> verdicts and scores
 
@@ -27,7 +27,7 @@ from veritrain.protocol.scoring import compute_scores, split_rewards
 
 from .checks import Candidate, admit, group_by_worker, norm_outliers
 from .probe import loss_regressions, probe_gains, probe_rows
-from .segments import check_segment
+from .spot_checks import check_reveal, failure_where
 
 
 @dataclass
@@ -121,16 +121,16 @@ def filter_round(
     banned: set[str],
     beacon_seed: bytes,
     *,
-    evidence: Mapping[str, bytes] | None = None,
+    reveals: Mapping[str, bytes | None] | None = None,
     device: str = "cpu",
 ) -> FilteredRound:
     """Admit, decode, spot-check, norm- and probe-filter one closed round's submissions.
 
-    ``evidence`` maps content hashes to the state and residual files the
-    challenged workers revealed (see :func:`round_challenges`).
+    ``reveals`` maps each worker to the reveal file it sent for the round's checks
+    (:func:`round_challenges` and the binding; protocol/reveal.py).
     """
     spec = run.spec
-    evidence = evidence or {}
+    reveals = reveals or {}
     verdicts: dict[str, dict[str, Any]] = {}
     decoded: dict[str, torch.Tensor] = {}
 
@@ -155,8 +155,9 @@ def filter_round(
     checks: dict[str, list[dict[str, Any]]] = {}
     for worker in sorted(decoded):
         sub = by_worker[worker].signed.message
-        results = [check_segment(run, base_flat, sub, by_worker[worker].payload or b"", j,
-                                 evidence, device=device) for j in challenges.get(worker, [])]
+        results = check_reveal(run, base_flat, sub, by_worker[worker].payload,
+                               challenges.get(worker, []), reveals.get(worker), beacon_seed,
+                               device=device)
         checks[worker] = [x.to_json() for x in results]
         finite = [x.distance for x in results if x.distance is not None]
         if finite:
@@ -164,7 +165,7 @@ def filter_round(
         failed = [x for x in results if not x.ok]
         if failed:
             reject(by_worker[worker], "spot_check_failed",
-                   f"segment {failed[0].segment}: {failed[0].note}",
+                   f"{failure_where(failed[0])}: {failed[0].note}",
                    spot_checked=True, distance=distances.get(worker), checks=checks[worker])
             del decoded[worker]
 
@@ -279,7 +280,7 @@ def process_round(
     banned: set[str],
     beacon_seed: bytes,
     *,
-    evidence: Mapping[str, bytes] | None = None,
+    reveals: Mapping[str, bytes | None] | None = None,
     device: str = "cpu",
 ) -> RoundOutcome:
     """Verdicts, scores and the next model for one closed round, aggregated locally.
@@ -289,6 +290,6 @@ def process_round(
     (validators/sharded.py).
     """
     filtered = filter_round(run, round_index, base_model_hash, base_flat, candidates,
-                            registered, banned, beacon_seed, evidence=evidence, device=device)
+                            registered, banned, beacon_seed, reveals=reveals, device=device)
     aggregate = aggregate_locally(run, filtered, beacon_seed)
     return finish_round(run, filtered, aggregate, base_flat, outer, device=device)

@@ -12,21 +12,36 @@ round's work itself is workers/round.py, sans I/O.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from veritrain.ledger.client import LedgerClient, LedgerRefused, fetch_base_files, fetch_run
+from veritrain.protocol.beacon import sealed_list_digest_of, verify_fixed_beacon
 from veritrain.protocol.certificates import verify_certificate
+from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
+from veritrain.protocol.encoding import decode_canonical
+from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
-from veritrain.protocol.messages import Receipt, Registration, open_signed, sign
+from veritrain.protocol.messages import (
+    Receipt,
+    Registration,
+    RevealReceipt,
+    SpotReveal,
+    Submission,
+    open_signed,
+    sign,
+)
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import sha256_hex
 
+from .evidence import EvidenceMissing, RoundEvidence, file_sha256
 from .masked import SECAGG_ATTACKS, take_part
 from .round import ATTACKS, prepare_submission
 from .state import WorkerState
@@ -44,6 +59,9 @@ class WorkerConfig:
     retry_for: float = 300.0
     attack: str | None = None
     progress: bool = True
+    #: Keep every n-th step's whole state for reveals (None: every committed state);
+    #: larger saves disk, and a challenged step between kept states is replayed.
+    keep_every: int | None = None
 
 
 @dataclass
@@ -80,6 +98,8 @@ class WorkerNode:
         self.config = config
         self.identity = identity
         self.me = identity.public_key.hex()
+        #: Hashes each step's state commitment while the next step computes.
+        self.hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit")
         self.refused: set[int] = set()
         self.ledger_key = ""
         self.local: LocalModel | None = None
@@ -103,19 +123,19 @@ class WorkerNode:
             while max_rounds is None or submitted < max_rounds:
                 info = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/current")
                 if info["run_status"] != "active":
-                    await self.answer_challenges(client, spec.run_id, state)
+                    await self.answer_challenges(client, run, state)
                     log.info("run %s is %s after %d submissions", spec.run_id,
                              info["run_status"], submitted)
                     break
                 r = info["round"]
-                await self.answer_challenges(client, spec.run_id, state)
+                await self.answer_challenges(client, run, state)
                 if info["status"] != "open" or state.submitted(r) or r in self.refused:
                     await asyncio.sleep(self.config.poll_seconds)
                     continue
                 if await self.train_and_submit(client, run, state, info):
                     submitted += 1
             while state.pending_rounds():
-                await self.answer_challenges(client, spec.run_id, state)
+                await self.answer_challenges(client, run, state)
                 overview = await client.get_json(f"/v1/runs/{spec.run_id}")
                 if overview["status"] != "active" and not state.pending_rounds():
                     break
@@ -154,26 +174,32 @@ class WorkerNode:
         self.local = LocalModel(r, params, outer.momentum, target)
         return params
 
-    async def answer_challenges(self, client: LedgerClient, run_id: str,
+    async def answer_challenges(self, client: LedgerClient, run: RunContext,
                                 state: WorkerState) -> None:
-        await answer_challenges_once(client, run_id, self.me, state)
+        await answer_checks(client, run, self.identity, state, self.ledger_key,
+                            device=self.config.device)
 
     async def train_and_submit(self, client: LedgerClient, run: RunContext, state: WorkerState,
                                info: dict[str, Any]) -> bool:
         spec, r = run.spec, info["round"]
         base_flat = await self.sync_model(client, run, info)
         started = time.monotonic()
+        store = state.evidence_store(r)
+        evidence = RoundEvidence(store, run, r, self.me,
+                                 keep_every=self.config.keep_every or run.inner.trail_every)
         prepared = await asyncio.to_thread(
             prepare_submission, run, self.identity, r, base_flat, info["base_model_hash"],
-            state.error_feedback, attack=self.config.attack, device=self.config.device,
+            state.error_feedback, evidence=evidence, attack=self.config.attack,
+            device=self.config.device, pool=self.hashing,
             progress=ProgressLine(self.config.progress, r, run.inner.steps))
         # The evidence goes to disk before the ledger can accept the submission: a
         # crash right after acceptance must not leave the worker unable to answer
-        # its challenges (an honest worker would then fail its spot check).
+        # its checks (an honest worker would then fail its spot check).
         masked = spec.masked is not None
-        if masked:  # the payload stays here; a spot check asks for it like a training state
-            prepared.evidence[prepared.signed.message.payload_hash] = prepared.payload
-        state.keep_evidence(r, prepared.evidence)
+        if masked:  # the payload stays here; a spot check asks for it in the reveal
+            evidence.keep_payload(prepared.payload)
+        store.put_bytes("submission", prepared.signed.encode())
+        await asyncio.to_thread(store.durable)
         parts = [("envelope", prepared.signed.encode(), "application/json")]
         if not masked:
             parts.append(("payload", prepared.payload, "application/octet-stream"))
@@ -205,34 +231,78 @@ class WorkerNode:
         return True
 
 
-async def answer_challenges_once(client: LedgerClient, run_id: str, me: str,
-                                 state: WorkerState) -> None:
-    """Upload what the ledger's challenges ask of this worker; drop settled rounds."""
+async def answer_checks(client: LedgerClient, run: RunContext, identity: Identity,
+                        state: WorkerState, ledger_key: str, *, device: str = "cpu") -> None:
+    """Answer every pending round's checks; drop settled rounds.
+
+    The worker takes nothing on the ledger's word: it verifies the round's fixed beacon
+    against the validators' keys and the sealed list it is served (which must hold its
+    own submission), computes its checks itself, and reveals what they need whatever
+    the ledger's challenge list says; it keeps the ledger's signed receipt.
+    """
+    spec, me = run.spec, identity.public_key.hex()
     for r in state.pending_rounds():
-        info = await client.get_json(f"/v1/runs/{run_id}/rounds/{r}")
+        base = f"/v1/runs/{spec.run_id}/rounds/{r}"
+        info = await client.get_json(base)
         if info["status"] == "finalized":
             state.settle(r)
             continue
-        view = await client.get_json(f"/v1/runs/{run_id}/rounds/{r}/challenges")
-        mine = next((c for c in view["challenges"] if c["worker"] == me), None)
-        if mine is None:
+        if state.revealed(r) or info["status"] == "open":
             continue
-        sent = 0
-        for digest in mine["needed"]:
-            if digest in mine["received"]:
-                continue
-            data = state.evidence(r, digest)
-            if data is None:
-                log.warning("round %d: challenged for %s, which this worker does not hold",
-                            r, digest[:12])
-                continue
-            try:
-                await client.put_bytes(f"/v1/runs/{run_id}/rounds/{r}/reveals/{digest}", data)
-                sent += 1
-            except LedgerRefused as exc:
-                if exc.reason != "duplicate":
-                    log.warning("round %d: reveal %s refused: %s", r, digest[:12], exc)
-        if sent:
-            log.info("round %d: revealed %d file(s) for segments %s", r, sent, mine["segments"])
-
-
+        store = state.evidence_store(r)
+        if not store.has("submission"):  # a crash before the submission was kept
+            state.settle(r)
+            continue
+        beacon = await client.get_json(f"{base}/beacon")
+        if beacon["beacon"] is None:
+            continue
+        signed = open_signed(decode_canonical(store.get_bytes("submission")), Submission)
+        sealed = (await client.get_json(f"{base}/submissions"))["submissions"]
+        try:
+            seed = await asyncio.to_thread(functools.partial(
+                verify_fixed_beacon, spec.validators, spec.quorum, spec.run_id, r,
+                beacon["beacon"], sealed=sealed_list_digest_of(sealed),
+                envelopes=beacon.get("envelopes")))
+        except RejectedInput as exc:
+            log.error("round %d: the ledger's beacon does not verify (%s); not revealing", r,
+                      exc)
+            continue
+        workers = [open_signed(wire, Submission).message.worker for wire in sealed]
+        if signed.digest not in {open_signed(w, Submission).digest for w in sealed}:
+            log.error("round %d: the sealed list lacks this worker's receipted submission: "
+                      "the ledger dropped it (receipt kept under %s)", r, state.dir)
+            continue
+        policy = ChallengePolicy.of_run(spec)
+        segments = compute_challenges(seed, workers, policy).get(me, [])
+        if me not in policy.checked_workers({me: segments}):
+            continue
+        path = store.path / "reveal.bin"
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(RoundEvidence(store, run, r, me).write_reveal_file, path,
+                                    seed, segments, signed.message, device=device)
+        except (EvidenceMissing, KeyError, FileNotFoundError) as exc:
+            log.error("round %d: cannot build the reveal for segments %s: %s", r, segments, exc)
+            state.record_reveal(r, {"failed": str(exc)[:500]})
+            continue
+        envelope = sign(identity, SpotReveal(
+            run_id=spec.run_id, round=r, worker=me, submission_digest=signed.digest,
+            reveal_hash=await asyncio.to_thread(file_sha256, path),
+            reveal_bytes=path.stat().st_size, created_at=int(time.time())))
+        try:
+            wire = await client.post_multipart(f"{base}/reveals", [
+                ("envelope", envelope.encode(), "application/json"),
+                ("reveal", path, "application/octet-stream")])
+        except LedgerRefused as exc:
+            log.warning("round %d: reveal refused (%s): %s", r, exc.reason, exc.detail)
+            if exc.reason in ("reveal_late", "round_finalized", "not_challenged"):
+                state.record_reveal(r, {"refused": exc.reason, "detail": exc.detail})
+            continue
+        receipt = open_signed(wire, RevealReceipt)
+        if (receipt.signer != ledger_key or receipt.message.reveal_digest != envelope.digest
+                or receipt.message.worker != me):
+            log.error("round %d: the reveal receipt is not the ledger's for this reveal", r)
+            continue
+        state.record_reveal(r, wire)
+        log.info("round %d: revealed %d bytes for segments %s and the payload binding "
+                 "(%.1fs)", r, path.stat().st_size, segments, time.monotonic() - started)

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
 from veritrain.protocol.codecs import ErrorFeedback
+from veritrain.protocol.commitments import vector_root
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import Signed, Submission, sign
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import sha256_hex
+from veritrain.protocol.training import leaves_of_vector
 
+from .evidence import MemoryStore, RoundEvidence
 from .masked import SECAGG_ATTACKS
 
 ATTACKS = ("free_rider", "sign_flip") + SECAGG_ATTACKS
@@ -43,7 +47,7 @@ class PreparedSubmission:
     payload: bytes
     error_feedback: ErrorFeedback  # the residual to keep once the submission is accepted
     delta: torch.Tensor  # what the worker meant to send, before encoding
-    evidence: dict[str, bytes]  # content hash -> trail state or residual file, for reveals
+    evidence: RoundEvidence  # what the worker kept to answer the round's checks
 
 
 def prepare_submission(
@@ -54,20 +58,27 @@ def prepare_submission(
     base_hash: str,
     error_feedback: ErrorFeedback,
     *,
+    evidence: RoundEvidence | None = None,
     attack: str | None = None,
     device: str = "cpu",
     progress: Callable[[int, float], None] | None = None,
     replace_delta: torch.Tensor | None = None,
+    pool: Executor | None = None,
 ) -> PreparedSubmission:
-    """Train, encode with error feedback and sign one round's submission (no I/O).
+    """Train, encode with error feedback and sign one round's submission (no network).
 
-    The worker node and the in-process swarm both call this, so they follow
-    one code path. ``replace_delta`` lets an evaluation harness send a crafted
-    update (an omniscient attack) through the same encoding and signing.
+    The worker node and the in-process swarm both call this, so they follow one code
+    path. What the round's checks may ask for goes to ``evidence`` (by default a memory
+    store keeping every state); with ``pool`` the state commitments are hashed on its
+    threads while the next step computes. ``replace_delta`` lets an evaluation harness
+    send a crafted update (an omniscient attack) through the same encoding and signing.
     """
     me = identity.public_key.hex()
-    ef_bytes = error_feedback.to_bytes()
-    evidence = {sha256_hex(ef_bytes): ef_bytes}
+    if evidence is None:
+        evidence = RoundEvidence(MemoryStore(), run, r, me)
+    residual = error_feedback.residual
+    ef_hash = vector_root(leaves_of_vector(residual), run.numel).hex()
+    evidence.begin(base_flat, residual)
     if replace_delta is not None or attack == "free_rider":
         delta = replace_delta if replace_delta is not None else apply_attack(
             "free_rider", torch.full_like(base_flat, 1e-3), run.codec_seed(r, me))
@@ -75,18 +86,18 @@ def prepare_submission(
         losses = [0.0]
     else:
         result = run.train(base_flat, r, me, device=device, progress=progress,
-                           keep_states=True)
+                           sink=evidence.sink, pool=pool)
         delta = apply_attack(attack, result.delta, run.codec_seed(r, me))
         trail, losses = result.trail, result.losses
-        evidence.update((st.hash(), st.to_bytes()) for st in result.states[1:])
-    ef = ErrorFeedback.from_bytes(ef_bytes, run.numel)
+    ef = ErrorFeedback(run.numel)
+    ef.residual = residual  # step() replaces it, the caller's stays as it was
     payload, _ = ef.step(run.codec, delta, seed=run.codec_seed(r, me),
                          decay=run.spec.feedback_decay)
     sub = Submission(
         run_id=run.spec.run_id, round=r, worker=me, base_model_hash=base_hash,
         payload_hash=sha256_hex(payload), payload_bytes=len(payload), codec=run.spec.codec,
         samples=run.inner.steps * run.inner.batch_size, trail=trail,
-        ef_hash=sha256_hex(ef_bytes), loss_first=float(losses[0]),
+        ef_hash=ef_hash, loss_first=float(losses[0]),
         loss_last=float(losses[-1]), created_at=int(time.time()))
     return PreparedSubmission(sign(identity, sub), payload, ef, delta, evidence)
 

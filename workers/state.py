@@ -1,5 +1,5 @@
 """What a worker keeps on disk across restarts: receipts, its error-feedback residual and
-the evidence (trail states, residual) it may be asked to reveal until a round is settled.
+each pending round's evidence (workers/evidence.py) until the round is settled.
 
 Every file is written atomically (temporary file, fsync, rename), so a crash leaves
 either the old file or the new one.
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from veritrain.protocol.codecs import ErrorFeedback
+
+from .evidence import DirStore
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -36,24 +38,25 @@ class WorkerState:
         self.error_feedback = (ErrorFeedback.from_bytes(ef_path.read_bytes(), numel)
                                if ef_path.exists() else ErrorFeedback(numel))
 
-    def keep_evidence(self, r: int, evidence: dict[str, bytes]) -> None:
-        """Store a round's trail states and residual until the round is settled."""
-        folder = self.dir / "evidence" / str(r)
-        folder.mkdir(parents=True, exist_ok=True)
-        for digest, data in evidence.items():
-            _atomic_write(folder / digest, data)
+    def evidence_store(self, r: int) -> DirStore:
+        """Where round ``r``'s evidence lives until the round is settled."""
+        return DirStore(self.dir / "evidence" / str(r))
 
     def pending_rounds(self) -> list[int]:
         root = self.dir / "evidence"
         return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.exists() else []
 
-    def evidence(self, r: int, digest: str) -> bytes | None:
-        path = self.dir / "evidence" / str(r) / digest
-        return path.read_bytes() if path.exists() else None
-
     def settle(self, r: int) -> None:
         """The round is finalized: its evidence is no longer needed."""
         shutil.rmtree(self.dir / "evidence" / str(r), ignore_errors=True)
+
+    def revealed(self, r: int) -> bool:
+        return (self.dir / "receipts" / f"{r}.reveal.json").exists()
+
+    def record_reveal(self, r: int, receipt: dict[str, Any]) -> None:
+        """Keep the ledger's signed reveal receipt: proof that the reveal arrived in time."""
+        _atomic_write(self.dir / "receipts" / f"{r}.reveal.json",
+                      json.dumps(receipt, sort_keys=True).encode())
 
     def submitted(self, r: int) -> bool:
         return (self.dir / "receipts" / f"{r}.json").exists()

@@ -100,6 +100,12 @@ class Codec(Protocol):
         """This codec for a run whose model has these ``param_shapes`` (in flat order)."""
         ...
 
+    def region_unit(self) -> int | None:
+        """u when the encoding splits into independent regions of u values (aligned at
+        multiples of u), so that encoding a vector that is zero outside some regions gives
+        the same codes inside them; None when it does not split."""
+        ...
+
 
 def params_digest(name: str, params: Mapping[str, ParamValue]) -> bytes:
     """First 8 bytes of sha256 over the sorted-key compact JSON of name and params."""
@@ -219,6 +225,10 @@ class BaseCodec(ABC):
         """Codecs that read the model's shapes (``lowrank``) override this; the rest
         work on the flat vector alone."""
         return self
+
+    def region_unit(self) -> int | None:
+        """See :meth:`Codec.region_unit`; a codec that splits overrides this."""
+        return None
 
     @property
     def digest(self) -> bytes:

@@ -38,6 +38,9 @@ class ScaledBlocksCodec(BaseCodec):
     def n_blocks(self, numel: int) -> int:
         return -(-numel // self.block)
 
+    def region_unit(self) -> int:
+        return self.block  # one scale and its codes per block
+
     def body_size(self, numel: int) -> int:
         return 4 * self.n_blocks(numel) + packed_size(numel, self.bits)
 

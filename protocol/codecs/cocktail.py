@@ -67,6 +67,9 @@ class CocktailCodec(BaseCodec):
         self.k = check_int_param(self.name, "k", k, 1, self.width)
         self.value_bits = check_int_param(self.name, "value_bits", value_bits, 1, MAX_VALUE_BITS)
 
+    def region_unit(self) -> int:
+        return self.chunk  # its own k values, positions and scales per chunk
+
     def params(self) -> dict[str, ParamValue]:
         return {
             "chunk": self.chunk,

@@ -36,6 +36,9 @@ class Fp32Codec(BaseCodec):
     def params(self) -> dict[str, ParamValue]:
         return {}
 
+    def region_unit(self) -> int:
+        return 1  # every value on its own
+
     def body_size(self, numel: int) -> int:
         return 4 * numel
 
@@ -57,6 +60,9 @@ class Fp16Codec(BaseCodec):
 
     def params(self) -> dict[str, ParamValue]:
         return {}
+
+    def region_unit(self) -> int:
+        return 1  # every value on its own
 
     def body_size(self, numel: int) -> int:
         return 2 * numel
@@ -80,6 +86,9 @@ class Bf16Codec(BaseCodec):
 
     def params(self) -> dict[str, ParamValue]:
         return {}
+
+    def region_unit(self) -> int:
+        return 1  # every value on its own
 
     def body_size(self, numel: int) -> int:
         return 2 * numel

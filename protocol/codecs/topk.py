@@ -68,6 +68,9 @@ class TopKCodec(BaseCodec):
                 f"{self.name}: dct_block {dct_block} must be 0 or >= 2 and divide chunk {chunk}"
             )
 
+    def region_unit(self) -> int:
+        return self.chunk  # its own k values, positions and scales per chunk
+
     def params(self) -> dict[str, ParamValue]:
         return {
             "chunk": self.chunk,
