@@ -215,7 +215,7 @@ def _e2e_run(job: tuple[str, str, dict[str, object], int, int, str, str, dict[st
     settings["outer"].update(outer)
     settings["inner"].update(E2E_INNER.get(label, {}))
     # Spot checks cost time and change nothing here: every worker is honest.
-    settings["verification"].update(challenges_per_worker=0.0, always_last=False,
+    settings["verification"].update(challenges_per_worker=0.0, always_last=False, binding_chunks=0,
                                     spot_checks_per_round=0)
     settings["schedule"]["max_rounds"] = rounds
     swarm = Swarm(settings, n_workers=workers, seed=seed)

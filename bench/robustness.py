@@ -24,7 +24,8 @@ f = 7.  Krum and trimmed mean get
 ``f`` as their parameter; Krum needs n > 2f + 2, so at f = 7 of 16 it runs with
 f = 6, the largest it accepts.
 
-Every other row isolates the aggregator: spot checks are off (``challenges_per_worker`` 0, no
+Every other row isolates the aggregator: spot checks are off (``challenges_per_worker`` 0,
+``binding_chunks`` 0 so no payload binding check, no
 forced last segment, no full checks) and the validator's norm filter is off,
 since otherwise the validator would simply reject or ban most attackers; the
 codec is ``fp32`` so compression does not confound.  The spec caps
@@ -188,7 +189,7 @@ def bench_settings(spec: Mapping[str, Any], *, task_preset: str, steps: int, bat
     # one segment per round; nothing is challenged anyway
     settings["inner"]["trail_every"] = steps
     settings["schedule"]["max_rounds"] = rounds
-    settings["verification"].update(challenges_per_worker=0.0, always_last=False,
+    settings["verification"].update(challenges_per_worker=0.0, always_last=False, binding_chunks=0,
                                     spot_checks_per_round=0, norm_factor=1e6)
     if not probe:
         settings["verification"]["probe_factor"] = 0.0
@@ -549,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         genesis_note,
         "cells: final eval loss / clean reference - 1 (lower is better; 'clean' = the row's "
         "own run without attack, i.e. the cost of robustness)",
-        "verification OFF in every run (challenges_per_worker 0, always_last false, "
+        "verification OFF in every run (challenges_per_worker 0, binding_chunks 0, always_last false, "
         "spot_checks_per_round 0, norm_factor 1e6 and the validator's norm filter patched "
         "out, as it rejects all-zero updates at any factor) so that the aggregator alone "
         "faces the attacks; the probe filter (validators/probe.py) is off in every row but "

@@ -474,7 +474,8 @@ def robustness(
             params["bucket_size"] = 2
         settings["aggregator"]["params"] = params
         if not spot_checks:
-            settings["verification"].update(challenges_per_worker=0.0, spot_checks_per_round=0)
+            settings["verification"].update(challenges_per_worker=0.0, spot_checks_per_round=0,
+                                            binding_chunks=0)
         if variant == "masked":
             # No per-update filters: 1e6 is the largest norm_factor a run spec accepts
             # (it would still drop an all-zero update); probe_examples = 0 turns the

@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(1)
     settings = run_preset(args.preset)
     settings["codec"] = {"name": "fp32", "params": {}}
-    settings["verification"].update(challenges_per_worker=0.0, always_last=False,
+    settings["verification"].update(challenges_per_worker=0.0, always_last=False, binding_chunks=0,
                                     spot_checks_per_round=0)
     swarm = Swarm(settings, n_workers=args.workers, seed=args.seed, keep_updates=True)
     sizes = [k for k in range(1, args.workers) if args.workers % k == 0]

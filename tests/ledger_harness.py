@@ -85,3 +85,74 @@ def run_api(tmp_path: Path, scenario: Callable[[Api], Awaitable[Any]], *,
             await server.close()
 
     return asyncio.run(main())
+
+
+async def reveal_all(api: Api, run: Any, preps: dict[str, Any], identities: list[Identity],
+                     r: int = 0, *, skip: frozenset[str] = frozenset()) -> int:
+    """Answer every due check of round ``r`` as the workers would: each worker in ``preps``
+    (worker key -> its PreparedSubmission) whose reveal is due writes its reveal from its
+    evidence and posts it signed with its key from ``identities``; ``skip`` workers reveal
+    nothing. Returns how many posted."""
+    from veritrain.protocol.beacon import beacon_seed_of
+    from veritrain.protocol.messages import SpotReveal, sign
+    from veritrain.protocol.tensors import sha256_hex
+    from veritrain.workers.evidence import reveal_bytes
+
+    run_id = run.spec.run_id
+    view = (await api.get(f"/v1/runs/{run_id}/rounds/{r}/challenges"))[1]
+    assert view["fixed"], view
+    beacon = (await api.get(f"/v1/runs/{run_id}/rounds/{r}/beacon"))[1]
+    seed = bytes.fromhex(beacon_seed_of(beacon["beacon"]))
+    sent = 0
+    for c in view["challenges"]:
+        prep = preps.get(c["worker"])
+        if not c["due"] or prep is None or c["worker"] in skip:
+            continue
+        sub = prep.signed.message
+        data = reveal_bytes(prep.evidence, seed, c["segments"], sub)
+        if data is None and run.spec.masked is not None:
+            data = hollow_reveal(run, c["segments"], sub, prep.payload)
+        if data is None:  # nothing kept to open (a free rider)
+            continue
+        envelope = SpotReveal(run_id=run_id, round=r, worker=sub.worker,
+                              submission_digest=prep.signed.digest,
+                              reveal_hash=sha256_hex(data), reveal_bytes=len(data),
+                              created_at=1)
+        identity = next(i for i in identities if i.public_key.hex() == sub.worker)
+        status, body = await api.post_parts(f"/v1/runs/{run_id}/rounds/{r}/reveals",
+                                            [("envelope", sign(identity, envelope).encode()),
+                                             ("reveal", data)])
+        assert status == 201, body
+        sent += 1
+    return sent
+
+
+def reveals_under(run: Any, preps: dict[str, Any], seed: bytes) -> dict[str, bytes | None]:
+    """The reveal each worker in ``preps`` would send under ``seed`` (checks in process)."""
+    from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
+    from veritrain.workers.evidence import reveal_bytes
+
+    policy = ChallengePolicy.of_run(run.spec)
+    challenges = compute_challenges(seed, sorted(preps), policy)
+    return {w: reveal_bytes(preps[w].evidence, seed, challenges[w], preps[w].signed.message)
+            for w in policy.checked_workers(challenges)}
+
+
+def hollow_reveal(run: Any, segments: list[int], sub: Any, payload: bytes) -> bytes:
+    """What a free rider of a masked run can reveal: the layout its checks need, its real
+    payload, zeros where states it never trained should be (their checks then fail)."""
+    import io
+    import math
+
+    from veritrain.protocol.reveal import reveal_layout, write_reveal
+
+    layout = reveal_layout(run, segments, masked_payload=sub.payload_bytes)
+
+    def zeros(size: int) -> Any:
+        return lambda fh: fh.write(bytes(size))
+
+    producers = {name: (lambda fh: fh.write(payload)) if name == "payload" else zeros(
+        math.prod(shape) * (4 if dtype == "F32" else 1)) for name, dtype, shape in layout.entries}
+    buf = io.BytesIO()
+    write_reveal(buf, layout, producers)
+    return buf.getvalue()

@@ -272,7 +272,8 @@ def certified_result(r: int = 0, *, validator: int = 0, rewards: tuple[float, ..
                           eval_loss=1.0)
     base = GENESIS if r == 0 else f"{r:02x}" * 32
     view = ResultView(RUN, r, VALIDATORS[validator], base, SEED, verdicts, scores, cert.to_body())
-    facts = ResultFacts(digest_of(verdicts), digest_of(scores), sorted(SUBS), {SPOT_FAILED})
+    facts = ResultFacts(digest_of(verdicts), digest_of(scores), sorted(SUBS), {SPOT_FAILED},
+                        dict(zip(WORKERS, SUBS, strict=True)))
     return view, facts
 
 
@@ -677,3 +678,130 @@ def test_every_rule_is_named_in_the_spec_and_every_name_there_is_a_rule():
     assert rule_names <= named, rule_names - named
     dispatched = set(rules.SIGNED_RULES.values()) | set(rules.RECORD_RULES.values())
     assert {f.__name__ for f in dispatched} <= defined
+
+
+# ----------------------------------------------------------------------------- checks and reveals
+
+
+def checks_spec() -> RunSpec:
+    return dataclasses.replace(make_spec(), inner={"steps": 4, "trail_every": 1}, verification={
+        "ban_rounds": 2, "vesting_rounds": 2, "spot_checks_per_round": 0,
+        "challenges_per_worker": 1.0, "always_last": False, "binding_chunks": 16})
+
+
+def drawn_checks() -> dict[str, list[int]]:
+    from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
+
+    return compute_challenges(bytes.fromhex(SEED), sorted(WORKERS),
+                              ChallengePolicy.of_run(checks_spec()))
+
+
+def spot_reveal(worker: str = WORKERS[0], digest: str = SUBS[0]) -> Any:
+    from veritrain.protocol.messages import SpotReveal
+
+    return SpotReveal(run_id=RUN, round=0, worker=worker, submission_digest=digest,
+                      reveal_hash="ee" * 32, reveal_bytes=10, created_at=1)
+
+
+def reveal_receipt(*, sequence: int = 40, digest: str = "ed" * 32, at: float = 5.0,
+                   worker: str = WORKERS[0]) -> Any:
+    from veritrain.protocol.messages import RevealReceipt
+
+    return RevealReceipt(run_id=RUN, round=0, worker=worker, reveal_digest=digest,
+                         reveal_hash="ee" * 32, received_at=at, deadline=9.0, sequence=sequence)
+
+
+def test_checks_fixed_then_a_reveal_and_its_receipt():
+    rnd = beaconed_round()
+    state = state_with(rnd, spec=checks_spec())
+    rules.process_challenges_fixed(state, 30, {"round": 0, "challenges": drawn_checks(),
+                                               "reveal_deadline": 9.0})
+    assert rnd.challenges == drawn_checks() and rnd.reveal_deadline == 9.0
+    rules.process_spot_reveal(state, 40, spot_reveal(), WORKERS[0], "ed" * 32)
+    rules.process_reveal_receipt(state, 41, reveal_receipt(), "1e" * 32, "1e" * 32)
+    assert rnd.reveals == {WORKERS[0]: (40, SUBS[0])} and rnd.last_reveal is None
+
+
+@pytest.mark.parametrize(("round_fields", "problem"), [
+    ({}, "checks fixed before the beacon, or twice"),
+    ({"beacon_seed": SEED, "challenges": {}}, "checks fixed before the beacon, or twice"),
+])
+def test_invalid_checks_fixed_out_of_order(round_fields, problem):
+    state = state_with(closed_round(**round_fields), spec=checks_spec())
+    raises(problem, rules.process_challenges_fixed, state, 30,
+           {"round": 0, "challenges": drawn_checks(), "reveal_deadline": 9.0})
+
+
+@pytest.mark.parametrize(("reveal", "signer", "round_fields", "problem"), [
+    (spot_reveal(), WORKERS[1], {}, "reveal not signed by its worker"),
+    (spot_reveal(), WORKERS[0], {"challenges": None},
+     "reveal before the round's checks were fixed or after its certificate"),
+    (spot_reveal(digest="ff" * 32), WORKERS[0], {},
+     "reveal names a submission outside the round's sealed list"),
+    (spot_reveal(), WORKERS[0], {"reveals": {WORKERS[0]: (39, SUBS[0])}},
+     "a second reveal of one worker in one round"),
+])
+def test_invalid_spot_reveal(reveal, signer, round_fields, problem):
+    fields = {"challenges": drawn_checks(), "reveal_deadline": 9.0, **round_fields}
+    state = state_with(beaconed_round(**fields), spec=checks_spec())
+    raises(problem, rules.process_spot_reveal, state, 40, reveal, signer, "ed" * 32)
+
+
+@pytest.mark.parametrize(("receipt", "signer", "problem"), [
+    (reveal_receipt(), "2e" * 32, "reveal receipt not signed by this ledger"),
+    (reveal_receipt(sequence=39), "1e" * 32,
+     "reveal receipt does not name the reveal row before it"),
+    (reveal_receipt(digest="ab" * 32), "1e" * 32,
+     "reveal receipt does not name the reveal row before it"),
+    (reveal_receipt(worker=WORKERS[1]), "1e" * 32,
+     "reveal receipt does not name the reveal row before it"),
+    (reveal_receipt(at=9.5), "1e" * 32, "reveal receipt after the round's reveal deadline"),
+])
+def test_invalid_reveal_receipt(receipt, signer, problem):
+    rnd = beaconed_round(challenges=drawn_checks(), reveal_deadline=9.0,
+                         last_reveal=(40, "ed" * 32, WORKERS[0]))
+    raises(problem, rules.process_reveal_receipt, state_with(rnd, spec=checks_spec()), 41,
+           receipt, signer, "1e" * 32)
+
+
+def _finalize_with(rnd: RoundState) -> None:
+    view, facts = certified_result()
+    state = state_with(rnd, spec=checks_spec())
+    rnd.results.append(RecordedResult(50, view, facts))
+    rules.process_round_finalized(state, 60, finalized_body(view))
+
+
+def test_certificate_confirms_the_checks_and_the_reveals():
+    rnd = beaconed_round(challenges=drawn_checks(), challenges_row=30, reveal_deadline=9.0,
+                         reveals={w: (40 + k, d) for k, (w, d) in enumerate(zip(WORKERS, SUBS,
+                                                                                  strict=True))})
+    _finalize_with(rnd)
+    assert rnd.certified is not None
+
+
+def test_invalid_checks_named_by_the_certificate():
+    """A ledger that records other checks than the beacon's draw (to spare a worker) is
+    named at its challenges_fixed row once the certificate names the submitters."""
+    spared = {**drawn_checks(), WORKERS[2]: []}
+    rnd = beaconed_round(challenges=spared, challenges_row=30, reveal_deadline=9.0)
+    with pytest.raises(BadEarlier) as info:
+        _finalize_with(rnd)
+    assert (info.value.index, info.value.kind) == (30, "challenges_fixed")
+
+
+def test_invalid_reveal_of_another_workers_submission_named_by_the_certificate():
+    rnd = beaconed_round(challenges=drawn_checks(), challenges_row=30, reveal_deadline=9.0,
+                         reveals={WORKERS[0]: (40, SUBS[1])})
+    with pytest.raises(BadEarlier) as info:
+        _finalize_with(rnd)
+    assert (info.value.index, info.value.kind) == (40, "spot_reveal")
+
+
+def test_invalid_round_finalized_twice():
+    rnd = beaconed_round()
+    view, facts = certified_result()
+    rnd.results.append(RecordedResult(50, view, facts))
+    state = state_with(rnd)
+    rules.process_round_finalized(state, 60, finalized_body(view))
+    raises("round finalized twice", rules.process_round_finalized, state, 61,
+           finalized_body(view))

@@ -137,18 +137,26 @@ def test_tiny_run_end_to_end_with_cheaters(tmp_path: Path):
 
     assert recheck.returncode == 0, recheck.stdout + recheck.stderr
     assert "recorded FAIL" in recheck.stdout and "DISAGREES" not in recheck.stdout
-    assert "payload does not re-derive" in recheck.stdout
+    assert "payload does not encode the final state" in recheck.stdout
 
     assert audit.ok, audit.problem
     assert audit.certificates == ROUNDS
 
-    # The ledger's rows match what the nodes did.
+    # The ledger's rows match what the nodes did, and every honest reveal was receipted.
     receipts = set()
+    revealed = set()
     for name, ident in keys.items():
         for path in (tmp_path / "state" / name / "e2e" / "receipts").glob("*.json"):
-            body = json.loads(path.read_text())["body"]
-            receipts.add((ident.public_key.hex(), body["round"], body["submission_digest"]))
+            if path.stem.isdigit():
+                body = json.loads(path.read_text())["body"]
+                receipts.add((ident.public_key.hex(), body["round"], body["submission_digest"]))
+            elif name.startswith("honest"):
+                body = json.loads(path.read_text())["body"]
+                assert body["received_at"] <= body["deadline"]
+                revealed.add((ident.public_key.hex(), body["round"]))
     assert receipts and receipts == stored
+    honest_keys = {keys[n].public_key.hex() for n in keys if n.startswith("honest")}
+    assert {(k, r) for k, r, _ in stored if k in honest_keys} <= revealed
     verdicts = list(db.execute("select worker, round from verdicts where run_id='e2e'"))
     assert sorted(verdicts) == sorted((w, r) for w, r, _ in stored)
 

@@ -18,8 +18,8 @@ import asyncio
 import pytest
 import torch
 from fakes import validator_identities
-from ledger_harness import Api, run_api
-from test_validator_http import reveal_all, synthetic_settings
+from ledger_harness import Api, reveal_all, run_api
+from test_validator_http import synthetic_settings
 from veritrain.aggregation.secure import fixed_point_scale
 from veritrain.ledger.audit import fetch_events, verify_events
 from veritrain.ledger.client import LedgerClient
@@ -88,10 +88,8 @@ def _masked_round(tmp_path, settings: dict, run_id: str, attacks: dict[int, str]
                                 ErrorFeedback(run.numel),
                                 attack="free_rider" if attacks.get(i) == "free_rider" else None)
              for i, w in enumerate(workers)]
-    evidence = {}
-    for p in preps:
-        evidence.update(p.evidence)
-        evidence[p.signed.message.payload_hash] = p.payload
+    for p in preps:  # a masked run's payload stays with its worker until a check opens it
+        p.evidence.keep_payload(p.payload)
     updates = [run.codec.decode(p.payload, run.numel,
                                 seed=run.codec_seed(0, p.signed.message.worker)) for p in preps]
 
@@ -116,7 +114,7 @@ def _masked_round(tmp_path, settings: dict, run_id: str, attacks: dict[int, str]
     async def reveal_once_challenged(api: Api) -> None:
         while not (await api.get(f"/v1/runs/{run_id}/rounds/0/challenges"))[1]["fixed"]:
             await asyncio.sleep(0.05)
-        await reveal_all(api, run_id, evidence)
+        await reveal_all(api, run, {p.signed.message.worker: p for p in preps}, workers)
 
     async def scenario(api: Api):
         status, _ = await api.post_parts("/v1/runs", [("spec", bundle.signed.encode()),
@@ -139,9 +137,15 @@ def _masked_round(tmp_path, settings: dict, run_id: str, attacks: dict[int, str]
             reveal_once_challenged(api))
         board = (await api.get(f"/v1/runs/{run_id}/rounds/0/secagg"))[1]
         summary = (await api.get(f"/v1/runs/{run_id}/rounds/0"))[1]
-        async with api.session.get(
-                f"{api.url}/v1/blobs/{preps[-1].signed.message.payload_hash}") as resp:
-            payload_blob = resp.status
+        checks = (await api.get(f"/v1/runs/{run_id}/rounds/0/challenges"))[1]["challenges"]
+        payload_blob = 404
+        last = next((c for c in checks if c["worker"] == preps[-1].signed.message.worker), None)
+        if last is not None and last["reveal"] is not None:
+            async with api.session.get(f"{api.url}/v1/blobs/"
+                                       f"{last['reveal']['envelope']['body']['reveal_hash']}"
+                                       ) as resp:
+                data = await resp.read()
+            payload_blob = resp.status if preps[-1].payload in data else 404
         async with LedgerClient(api.url) as client:
             key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
             audit = verify_events(await fetch_events(client, run_id), key)
@@ -174,7 +178,7 @@ def test_a_bucket_survives_a_dropout_a_forger_and_an_opened_free_rider(tmp_path)
     expected = torch.stack([updates[1], updates[3], updates[4]]).double().mean(dim=0)
     step = 1 / fixed_point_scale(CLIP, 5)
     assert float((outcomes[0].aggregate.double() - expected).abs().max()) <= 2 * step + 1e-7
-    # The opened workers' payloads reached the ledger through their spot check's reveal.
+    # The opened workers' payloads reached the ledger inside their spot check's reveal.
     assert payload_blob == 200
     assert audit.ok, audit.problem
 

@@ -18,10 +18,10 @@ import sys
 import pytest
 import torch
 from fakes import validator_identities
-from ledger_harness import Api, run_api
+from ledger_harness import Api, reveal_all, reveals_under, run_api
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
-from test_validator_http import honest, reveal_all, submit_all, synthetic_settings
+from test_validator_http import honest, submit_all, synthetic_settings
 from veritrain.aggregation.secure import (
     ShardResult,
     aggregate_shard,
@@ -211,7 +211,6 @@ def test_three_validators_catch_a_shifted_shard_and_certify_the_honest_model(tmp
     base = run.decode_model(bundle.genesis)
     workers = [Identity.generate("worker") for _ in range(4)]
     preps = {w.public_key.hex(): honest(run, base, w) for w in workers}
-    evidence = {k: v for p in preps.values() for k, v in p.evidence.items()}
     prepared = {k: (p.signed.message, p.payload) for k, p in preps.items()}
     cheat = 2
 
@@ -228,7 +227,7 @@ def test_three_validators_catch_a_shifted_shard_and_certify_the_honest_model(tmp
     async def reveal_once_challenged(api: Api) -> None:
         while not (await api.get("/v1/runs/shard-run/rounds/0/challenges"))[1]["fixed"]:
             await asyncio.sleep(0.05)
-        await reveal_all(api, "shard-run", evidence)
+        await reveal_all(api, run, preps, workers)
 
     async def scenario(api: Api):
         await submit_all(api, bundle, workers, prepared)
@@ -270,7 +269,7 @@ def test_three_validators_catch_a_shifted_shard_and_certify_the_honest_model(tmp
     # The certified aggregate is the honest one: every shard computed from the same rows.
     only = [Candidate(p.signed, p.payload) for p in preps.values()]
     filtered = filter_round(run, 0, run.spec.genesis_model_hash, base, only,
-                            set(preps), set(), seed, evidence=evidence)
+                            set(preps), set(), seed, reveals=reveals_under(run, preps, seed))
     honest_agg = assemble_shards([compute_own_shard(filtered, V, k) for k in range(V)],
                                  run.numel)
     reference = finish_round(run, filtered, honest_agg, base, OuterState.zeros(run.numel))

@@ -1,13 +1,14 @@
-"""The inner loop: bitwise reproducibility, segment recomputation, states, learning."""
+"""The inner loop: bitwise reproducibility, commitments, recomputation, replay, learning."""
 
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from veritrain.protocol.commitments import CHUNK, chunk_count
 from veritrain.protocol.data import get_data_assignment
-from veritrain.protocol.errors import NonFiniteError, PayloadError
 from veritrain.protocol.tasks import (
     TASK_PRESETS,
     CharLMDataset,
@@ -15,18 +16,21 @@ from veritrain.protocol.tasks import (
     SyntheticTask,
     load_task,
 )
-from veritrain.protocol.tensors import flatten_params, sha256_hex
+from veritrain.protocol.tensors import flatten_params, load_flat_params
 from veritrain.protocol.training import (
     ConfigError,
     InnerConfig,
     TrainingDivergedError,
     TrainingState,
+    commitment_of,
     deterministic_mode,
     evaluate,
     local_train,
     relative_distance,
+    replay_steps,
     state_distance,
     train_segment,
+    train_step_at,
 )
 
 CPU = torch.device("cpu")
@@ -64,31 +68,169 @@ def test_two_runs_bitwise_identical(charlm) -> None:  # type: ignore[no-untyped-
     task, ds, base = charlm
     a = assignment(task, ds, CFG)
     r1 = local_train(task, ds, base, a, CFG)
-    r2 = local_train(task, ds, base, a, CFG)
+    with ThreadPoolExecutor(1) as pool:  # hashing on another thread changes nothing
+        r2 = local_train(task, ds, base, a, CFG, pool=pool)
     assert r1.delta.numpy().tobytes() == r2.delta.numpy().tobytes()
     assert r1.trail == r2.trail and len(r1.trail) == 3 and len(set(r1.trail)) == 3
     assert r1.losses == r2.losses and len(r1.losses) == 6
     assert r1.samples == 48
     assert torch.equal(r1.delta, base - r1.final_flat)
     assert float(r1.delta.abs().max()) > 0
-    assert r1.final_state.hash() == r1.trail[-1] and r1.final_state.step == 6
+    assert r1.final_state.commitment() == r1.trail[-1] and r1.final_state.step == 6
+    assert commitment_of(6, base.numel(), r1.final_leaves) == r1.trail[-1]
+
+
+def _reference_states(task, ds, base, a, cfg):  # type: ignore[no-untyped-def]
+    """The inner loop written the obvious way: a model and a fresh AdamW rebuilt from each
+    state (copies, no shared buffers), one step at a time."""
+    model = task.make_model()
+    model.train()
+    params = list(model.parameters())
+    state = TrainingState.initial(base)
+    out = []
+    for i in range(cfg.steps):
+        load_flat_params(model, state.params)
+        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                weight_decay=cfg.weight_decay, foreach=False, fused=False)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            opt.state[p] = {"step": torch.tensor(float(state.step)),
+                            "exp_avg": state.exp_avg[offset:offset + n].view_as(p).clone(),
+                            "exp_avg_sq": state.exp_avg_sq[offset:offset + n].view_as(p).clone()}
+            offset += n
+        with deterministic_mode(CPU):
+            opt.zero_grad(set_to_none=True)
+            task.loss(model, task.make_batch(ds, a[i])).backward()
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=False)
+            opt.step()
+
+        def cat(key: str) -> torch.Tensor:
+            return torch.cat([opt.state[p][key].detach().reshape(-1) for p in params])  # noqa: B023
+        state = TrainingState(torch.cat([p.detach().reshape(-1) for p in params]),
+                              cat("exp_avg"), cat("exp_avg_sq"), i + 1)
+        out.append(state)
+    return out
+
+
+def test_flat_buffers_train_bitwise_like_the_obvious_loop(charlm) -> None:  # type: ignore[no-untyped-def]
+    """Parameters and moments as views of three flat buffers, the optimizer kept across
+    steps, give the same bits as rebuilding everything from each state."""
+    task, ds, base = charlm
+    cfg = dataclasses.replace(CFG, trail_every=1)
+    a = assignment(task, ds, cfg)
+    seen: list[TrainingState] = []
+    run = local_train(task, ds, base, a, cfg, sink=lambda st, _: seen.append(TrainingState(
+        *(v.clone() for v in st.vectors()), st.step)))
+    ref = _reference_states(task, ds, base, a, cfg)
+    assert [st.step for st in seen] == list(range(1, 7))
+    for mine, theirs in zip(seen, ref, strict=True):
+        assert state_distance(mine, theirs) == 0.0
+    assert [st.commitment() for st in ref] == run.trail
+
+
+def test_sink_gets_each_state_with_its_leaves_before_it_changes(charlm) -> None:  # type: ignore[no-untyped-def]
+    task, ds, base = charlm
+    a = assignment(task, ds, CFG)
+    got: list[tuple[int, str, str]] = []
+
+    def sink(state: TrainingState, leaves: tuple[bytes, bytes, bytes]) -> None:
+        got.append((state.step, commitment_of(state.step, state.numel, leaves),
+                    state.commitment()))
+
+    with ThreadPoolExecutor(1) as pool:
+        run = local_train(task, ds, base, a, CFG, sink=sink, pool=pool)
+    assert [g[0] for g in got] == [2, 4, 6]
+    assert [g[1] for g in got] == [g[2] for g in got] == run.trail
 
 
 def test_segment_recompute_reproduces_trail(charlm) -> None:  # type: ignore[no-untyped-def]
     task, ds, base = charlm
     a = assignment(task, ds, CFG)
-    run = local_train(task, ds, base, a, CFG, keep_states=True)
-    assert len(run.states) == 4
-    assert run.states[0].hash() == TrainingState.initial(base).hash()
+    kept: dict[int, TrainingState] = {0: TrainingState.initial(base)}
+    run = local_train(task, ds, base, a, CFG, sink=lambda st, _: kept.__setitem__(
+        st.step, TrainingState(*(v.clone() for v in st.vectors()), st.step)))
     k = CFG.trail_every
     for s in range(CFG.segments):
-        revealed = TrainingState.from_bytes(run.states[s].to_bytes(), numel=base.numel())
-        end = train_segment(task, ds, revealed, a[s * k : (s + 1) * k], CFG)
-        assert end.hash() == run.trail[s]
-        assert state_distance(end, run.states[s + 1]) == 0.0
+        end = train_segment(task, ds, kept[s * k], a[s * k:(s + 1) * k], CFG)
+        assert end.commitment() == run.trail[s]
+        assert state_distance(end, kept[(s + 1) * k]) == 0.0
     # The wrong rows of data give another end state.
-    wrong = train_segment(task, ds, run.states[1], a[0:k], CFG)
-    assert wrong.hash() != run.trail[1]
+    wrong = train_segment(task, ds, kept[k], a[0:k], CFG)
+    assert wrong.commitment() != run.trail[1]
+
+
+def test_step_at_chunks_matches_the_full_step_exactly(charlm) -> None:  # type: ignore[no-untyped-def]
+    """AdamW is elementwise after clipping: from the whole start parameters and the start
+    moments at some coordinates, one step gives those coordinates' end values bit for bit."""
+    task, ds, base = charlm
+    cfg = dataclasses.replace(CFG, trail_every=1)
+    a = assignment(task, ds, cfg)
+    kept: dict[int, TrainingState] = {0: TrainingState.initial(base)}
+    local_train(task, ds, base, a, cfg, sink=lambda st, _: kept.__setitem__(
+        st.step, TrainingState(*(v.clone() for v in st.vectors()), st.step)))
+    n = base.numel()
+    index = torch.tensor(sorted({0, 1, 7, n // 3, n // 2 + 5, n - 2, n - 1}))
+    for t in (0, 3, 5):
+        start, end = kept[t], kept[t + 1]
+        moments = None if t == 0 else (start.exp_avg[index], start.exp_avg_sq[index])
+        p, m, v = train_step_at(task, ds, start.params, t, moments, index, a[t], cfg)
+        assert torch.equal(p, end.params[index]) and torch.equal(m, end.exp_avg[index])
+        assert torch.equal(v, end.exp_avg_sq[index])
+    # Wrong moments or another row give other values.
+    p, _, _ = train_step_at(task, ds, kept[3].params, 3, (kept[3].exp_avg[index] * 2,
+                            kept[3].exp_avg_sq[index]), index, a[3], cfg)
+    assert not torch.equal(p, kept[4].params[index])
+    p, _, _ = train_step_at(task, ds, kept[3].params, 3, (kept[3].exp_avg[index],
+                            kept[3].exp_avg_sq[index]), index, a[4], cfg)
+    assert not torch.equal(p, kept[4].params[index])
+
+
+def test_replay_from_a_kept_state_gives_the_same_commitments(charlm) -> None:  # type: ignore[no-untyped-def]
+    task, ds, base = charlm
+    cfg = dataclasses.replace(CFG, trail_every=1)
+    a = assignment(task, ds, cfg)
+    kept: dict[int, TrainingState] = {}
+    run = local_train(task, ds, base, a, cfg, sink=lambda st, _: kept.__setitem__(
+        st.step, TrainingState(*(v.clone() for v in st.vectors()), st.step)))
+    assert replay_steps(task, ds, kept[2], a[2:5], cfg) == run.trail[2:5]
+    assert replay_steps(task, ds, TrainingState.initial(base), a[0:6], cfg) == run.trail
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every tensor the interpreter holds."""
+    import gc
+
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def test_worker_memory_does_not_grow_with_the_number_of_steps(charlm) -> None:  # type: ignore[no-untyped-def]
+    """Peak tensor memory during local training does not depend on S: states go to the
+    sink (a worker's disk), nothing keeps them. Measured inside the sink at every step."""
+    import gc
+
+    task, ds, base = charlm
+    peaks = {}
+    for steps in (4, 32):
+        cfg = InnerConfig(steps=steps, batch_size=8, lr=3e-3, trail_every=1)
+        seen: list[int] = []
+        run = local_train(task, ds, base, assignment(task, ds, cfg), cfg,
+                          sink=lambda *_: seen.append(_live_tensor_bytes()))  # noqa: B023
+        assert len(run.trail) == steps == len(seen)
+        peaks[steps] = max(seen)
+        del run  # the first run's result must not count in the second's peak
+        gc.collect()
+    state_bytes = 12 * base.numel()
+    # 28 more states would be 28 x 12 bytes per parameter: allow well under one state.
+    assert abs(peaks[32] - peaks[4]) < state_bytes / 2, (peaks, state_bytes)
 
 
 def test_trail_granularity_does_not_change_result(synthetic) -> None:  # type: ignore[no-untyped-def]
@@ -97,7 +239,7 @@ def test_trail_granularity_does_not_change_result(synthetic) -> None:  # type: i
     coarse = dataclasses.replace(fine, trail_every=12)
     a = assignment(task, ds, fine)
     r_fine, r_coarse = local_train(task, ds, base, a, fine), local_train(task, ds, base, a, coarse)
-    assert torch.equal(r_fine.delta, r_coarse.delta)  # rebuilding AdamW from a state is exact
+    assert torch.equal(r_fine.delta, r_coarse.delta)  # committing changes nothing it commits
     assert r_fine.trail[-1] == r_coarse.trail[0] and len(r_fine.trail) == 12
 
 
@@ -168,18 +310,25 @@ def small_state() -> TrainingState:
     return TrainingState(p, p / 10, p / 100, 3)
 
 
-def test_state_golden_hash() -> None:
-    # Pinned: the state file format is part of the protocol (specs/tasks.md).
-    s = small_state()
-    assert s.hash() == sha256_hex(s.to_bytes())
-    assert s.hash() == "7e3ee70a67fabac34efae9ef65aa6eda904e94cf0247dd7a8436047a2568862e"
+def test_state_golden_commitment() -> None:
+    """The commitment is part of the protocol: the spec's formula written out here with
+    hashlib and blake3 alone, and its test vector (specs/tasks.md, "Training state")."""
+    import hashlib
 
+    import blake3
 
-def test_state_round_trip() -> None:
     s = small_state()
-    back = TrainingState.from_bytes(s.to_bytes(), numel=4)
-    assert back.step == 3 and back.to_bytes() == s.to_bytes() and back.hash() == s.hash()
-    assert torch.equal(back.params, s.params) and torch.equal(back.exp_avg_sq, s.exp_avg_sq)
+
+    def root(v: torch.Tensor) -> bytes:
+        leaf = blake3.blake3(v.numpy().astype("<f4").tobytes()).digest()  # one short chunk
+        return hashlib.sha256(b"veritrain/v1/vector-root\x00" + (4).to_bytes(8, "big")
+                              + CHUNK.to_bytes(4, "big") + leaf).digest()
+
+    expected = hashlib.sha256(b"veritrain/v1/state\x00" + (3).to_bytes(8, "big")
+                              + (4).to_bytes(8, "big") + root(s.params) + root(s.exp_avg)
+                              + root(s.exp_avg_sq)).hexdigest()
+    assert s.commitment() == expected == (
+        "35ae5eef1e55cfc905fd2d48eafd5afce3d805cedca100f7c29df976a47e2e3a")
 
 
 @pytest.mark.parametrize(
@@ -191,38 +340,23 @@ def test_state_round_trip() -> None:
         pytest.param(
             lambda s: dataclasses.replace(s, exp_avg_sq=s.exp_avg_sq * 2), id="exp_avg_sq"
         ),
+        pytest.param(lambda s: dataclasses.replace(s, params=s.params[:3], exp_avg=s.exp_avg[:3],
+                                                   exp_avg_sq=s.exp_avg_sq[:3]), id="numel"),
     ],
 )
-def test_state_hash_covers_every_field(other) -> None:  # type: ignore[no-untyped-def]
+def test_state_commitment_covers_every_field(other) -> None:  # type: ignore[no-untyped-def]
     s = small_state()
-    t = other(s)
-    assert t.hash() != s.hash()
+    assert other(s).commitment() != s.commitment()
 
 
-def _raw_state(params: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: float) -> bytes:
-    from safetensors.torch import save
-
-    named = {"params": params, "exp_avg": m, "exp_avg_sq": v, "step": torch.tensor([step])}
-    return save({k: t.clone() for k, t in named.items()})
-
-
-def test_invalid_state_bytes() -> None:
-    good = small_state().to_bytes()
-    z = torch.zeros(4)
-    for bad in (good[:-1], good + b"\0", b"", good[:8], b"\xff" * len(good)):
-        with pytest.raises(PayloadError):
-            TrainingState.from_bytes(bad, numel=4)
-    with pytest.raises(PayloadError):  # wrong model size
-        TrainingState.from_bytes(good, numel=5)
-    with pytest.raises(PayloadError):
-        TrainingState.from_bytes(_raw_state(z, z, z - 1, 0.0), numel=4)
-    with pytest.raises(PayloadError):
-        TrainingState.from_bytes(_raw_state(z, z, z, 1.5), numel=4)
-    with pytest.raises(PayloadError):
-        TrainingState.from_bytes(_raw_state(z, z, z, -1.0), numel=4)
-    with pytest.raises(NonFiniteError):
-        TrainingState.from_bytes(_raw_state(z + float("inf"), z, z, 0.0), numel=4)
-    assert TrainingState.from_bytes(_raw_state(z, z, z, 2.0), numel=4).step == 2
+def test_commitment_of_a_long_state_spans_its_chunks() -> None:
+    n = 2 * CHUNK + 5
+    params = torch.arange(n, dtype=torch.float32)
+    s = TrainingState(params, params / 3, params / 7, 1)
+    assert chunk_count(n) == 3
+    last = params.clone()
+    last[-1] += 1  # a change in the short last chunk
+    assert dataclasses.replace(s, params=last).commitment() != s.commitment()
 
 
 # --- configuration and errors ---------------------------------------------------------
@@ -332,13 +466,16 @@ def test_relative_distance() -> None:
 def test_cuda_matches_cpu_within_tolerance(charlm) -> None:  # type: ignore[no-untyped-def]
     task, ds, base = charlm
     a = assignment(task, ds, CFG)
-    cpu = local_train(task, ds, base, a, CFG, keep_states=True)
-    gpu = local_train(task, ds, base, a, CFG, device="cuda", keep_states=True)
-    again = local_train(task, ds, base, a, CFG, device="cuda")
+    cpu = local_train(task, ds, base, a, CFG)
+    kept: dict[int, TrainingState] = {}
+    gpu = local_train(task, ds, base, a, CFG, device="cuda", sink=lambda st, _: kept.__setitem__(
+        st.step, TrainingState(*(v.clone() for v in st.vectors()), st.step)))
+    with ThreadPoolExecutor(1) as pool:
+        again = local_train(task, ds, base, a, CFG, device="cuda", pool=pool)
     assert gpu.delta.device.type == "cpu" and gpu.trail == again.trail
     assert relative_distance(gpu.delta, cpu.delta) < 1e-3
-    seg = train_segment(task, ds, gpu.states[1], a[2:4], CFG, device="cuda")
-    assert seg.hash() == gpu.trail[1]
+    seg = train_segment(task, ds, kept[2], a[2:4], CFG, device="cuda")
+    assert seg.commitment() == gpu.trail[1]
 
 
 def test_deterministic_mode_stays_on_while_another_thread_is_inside() -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from fakes import validator_identities
-from ledger_harness import Api, run_api
+from ledger_harness import Api, reveal_all, reveals_under, run_api
 from veritrain.ledger.client import LedgerClient
 from veritrain.protocol.codecs import ErrorFeedback
 from veritrain.protocol.errors import RejectedInput
@@ -31,10 +31,11 @@ from veritrain.validators.round import process_round
 from veritrain.workers.round import PreparedSubmission, prepare_submission
 
 
-def synthetic_settings(challenges: float = 2.0) -> dict:
+def synthetic_settings(challenges: float = 2.0, binding_chunks: int = 16) -> dict:
     settings = run_preset("tiny")
     settings["task"] = {"name": "synthetic", "preset": "tiny"}
     settings["verification"]["challenges_per_worker"] = challenges
+    settings["verification"]["binding_chunks"] = binding_chunks
     # fp16: bad_payload writes a NaN into that codec's plain little-endian layout.
     settings["codec"] = {"name": "fp16", "params": {}}
     settings["schedule"]["round_seconds"] = 30.0
@@ -61,21 +62,6 @@ def bad_payload(kind: str, run: RunContext, good: bytes) -> bytes:
     raise AssertionError(kind)
 
 
-async def reveal_all(api: Api, run_id: str, evidence: dict[str, bytes]) -> int:
-    """Answer every challenge of round 0 from ``evidence``, as the workers would."""
-    view = (await api.get(f"/v1/runs/{run_id}/rounds/0/challenges"))[1]
-    assert view["fixed"]
-    sent = 0
-    for c in view["challenges"]:
-        for digest in c["needed"]:
-            if digest in evidence:
-                async with api.session.put(f"{api.url}/v1/runs/{run_id}/rounds/0/reveals/{digest}",
-                                           data=evidence[digest]) as resp:
-                    assert resp.status in (200, 201), await resp.text()
-                    sent += 1
-    return sent
-
-
 async def submit_all(api: Api, bundle, workers: list[Identity],
                      prepared: dict[str, tuple[Submission, bytes]]) -> None:
     status, _ = await api.post_parts("/v1/runs", [("spec", bundle.signed.encode()),
@@ -93,14 +79,15 @@ async def submit_all(api: Api, bundle, workers: list[Identity],
         assert status == 201, body
 
 
-async def validate(api: Api, run: RunContext, validator: Identity, evidence: dict[str, bytes]):
+async def validate(api: Api, run: RunContext, validator: Identity, preps: dict,
+                   workers: list[Identity], skip: frozenset[str] = frozenset()):
     node = ValidatorNode(ValidatorConfig(ledger_url=api.url, run_id=run.spec.run_id,
                                          poll_seconds=0.05), validator)
     async with LedgerClient(api.url, retry_for=5.0) as client:
         info = await client.get_json(f"/v1/runs/{run.spec.run_id}/rounds/0")
         assert info["status"] == "closed"
         await node.beacon_seed(client, run.spec, 0)
-        await reveal_all(api, run.spec.run_id, evidence)
+        await reveal_all(api, run, preps, workers, skip=skip)
         outcome = await node.validate_round(client, run, info)
     return outcome, (await api.get(f"/v1/runs/{run.spec.run_id}/rounds/0"))[1]
 
@@ -109,15 +96,17 @@ async def validate(api: Api, run: RunContext, validator: Identity, evidence: dic
 def test_invalid_payload_rejected_by_validator_and_kept_out_of_aggregate(tmp_path, kind):
     organiser = Identity.generate("organiser")
     validator = validator_identities(1)[0]
-    # Without challenges the norm filter, not a segment check, must catch the scaled update.
-    settings = synthetic_settings(challenges=0.0 if kind == "norm_outlier" else 2.0)
+    # Without checks (no challenges, no binding) the norm filter must catch the scaled
+    # update; with the binding on, it is a proven spot_check_failed instead (the next test).
+    checks = kind != "norm_outlier"
+    settings = synthetic_settings(challenges=2.0 if checks else 0.0,
+                                  binding_chunks=16 if checks else 0)
     bundle = build_run(organiser, "val-run", settings, [validator.public])
     run = RunContext.build(bundle.signed.message, bundle.dataset)
     base = run.decode_model(bundle.genesis)
     good = [Identity.generate("worker") for _ in range(3)]
     cheat = Identity.generate("worker")
     preps = {w.public_key.hex(): honest(run, base, w) for w in [*good, cheat]}
-    evidence = {k: v for p in preps.values() for k, v in p.evidence.items()}
     prepared = {k: (p.signed.message, p.payload) for k, p in preps.items()}
     sub, payload = prepared[cheat.public_key.hex()]
     bad = bad_payload(kind, run, payload)
@@ -126,7 +115,8 @@ def test_invalid_payload_rejected_by_validator_and_kept_out_of_aggregate(tmp_pat
 
     async def scenario(api: Api):
         await submit_all(api, bundle, [*good, cheat], prepared)
-        return await validate(api, run, validator, evidence)
+        return await validate(api, run, validator, preps, [*good, cheat],
+                              skip=frozenset({cheat.public_key.hex()}))
 
     outcome, summary = run_api(tmp_path, scenario)
     verdicts = {v["worker"]: v for v in summary["verdicts"]}
@@ -135,19 +125,21 @@ def test_invalid_payload_rejected_by_validator_and_kept_out_of_aggregate(tmp_pat
     assert verdicts[cheat.public_key.hex()]["reason"] == kind
     assert verdicts[cheat.public_key.hex()]["score"] == 0
     assert all(verdicts[w.public_key.hex()]["status"] == "accepted" for w in good)
-    assert all(verdicts[w.public_key.hex()]["spot_checked"] == (kind != "norm_outlier")
-               for w in good)
+    assert all(verdicts[w.public_key.hex()]["spot_checked"] == checks for w in good)
     # The aggregate is exactly what the honest updates alone produce.
     only_honest = [Candidate(preps[w.public_key.hex()].signed, preps[w.public_key.hex()].payload)
                    for w in good]
     registered = {w.public_key.hex() for w in good}
     reference = process_round(run, 0, run.spec.genesis_model_hash, base, OuterState.zeros(run.numel),
-                              only_honest, registered, set(), bytes(32), evidence=evidence)
+                              only_honest, registered, set(), bytes(32),
+                              reveals=reveals_under(run, {w.public_key.hex(): preps[
+                                  w.public_key.hex()] for w in good}, bytes(32)))
     assert torch.equal(outcome.aggregate, reference.aggregate)
     assert torch.equal(outcome.new_flat, reference.new_flat)
 
 
-@pytest.mark.parametrize("cheat", ["missing_reveal", "forged_trail", "sign_flip", "free_rider"])
+@pytest.mark.parametrize("cheat", ["missing_reveal", "forged_trail", "sign_flip", "free_rider",
+                                   "scaled_payload"])
 def test_invalid_work_fails_its_segment_check_over_http(tmp_path, cheat):
     """Cheats that decode fine are caught by the revealed segments, and banned."""
     organiser = Identity.generate("organiser")
@@ -161,25 +153,35 @@ def test_invalid_work_fails_its_segment_check_over_http(tmp_path, cheat):
     attack = cheat if cheat in ("sign_flip", "free_rider") else None
     preps[bad.public_key.hex()] = prepare_submission(
         run, bad, 0, base, run.spec.genesis_model_hash, ErrorFeedback(run.numel), attack=attack)
-    evidence = {k: v for p in preps.values() for k, v in p.evidence.items()}
     prepared = {k: (p.signed.message, p.payload) for k, p in preps.items()}
     sub = prepared[bad.public_key.hex()][0]
-    if cheat == "missing_reveal":
-        evidence.pop(sub.trail[-1])
+    skip = frozenset({bad.public_key.hex()}) if cheat == "missing_reveal" else frozenset()
+    if cheat == "scaled_payload":  # decodes, passes the norm filter: only the binding tells
+        scaled = run.codec.encode(run.codec.decode(prepared[bad.public_key.hex()][1],
+                                                   run.numel) * 2.0)
+        scaled_sub = dataclasses.replace(sub, payload_hash=sha256_hex(scaled),
+                                         payload_bytes=len(scaled))
+        prepared[bad.public_key.hex()] = (scaled_sub, scaled)
+        preps[bad.public_key.hex()] = dataclasses.replace(
+            preps[bad.public_key.hex()], signed=sign(bad, scaled_sub), payload=scaled)
     if cheat == "forged_trail":
         forged = [*sub.trail[:-1], "ab" * 32]
-        prepared[bad.public_key.hex()] = (dataclasses.replace(sub, trail=forged),
-                                          prepared[bad.public_key.hex()][1])
+        forged_sub = dataclasses.replace(sub, trail=forged)
+        prepared[bad.public_key.hex()] = (forged_sub, prepared[bad.public_key.hex()][1])
+        preps[bad.public_key.hex()] = dataclasses.replace(
+            preps[bad.public_key.hex()], signed=sign(bad, forged_sub))
 
     async def scenario(api: Api):
         await submit_all(api, bundle, [*good, bad], prepared)
-        _, summary = await validate(api, run, validator, evidence)
+        _, summary = await validate(api, run, validator, preps, [*good, bad], skip=skip)
         return summary, (await api.get("/v1/runs/seg-run/participants"))[1]
 
     summary, parts = run_api(tmp_path, scenario)
     verdicts = {v["worker"]: v for v in summary["verdicts"]}
     v = verdicts[bad.public_key.hex()]
     assert v["status"] == "rejected" and v["reason"] == "spot_check_failed", v
+    if cheat in ("sign_flip", "scaled_payload"):  # an honest trail: the binding fails
+        assert "payload binding" in v["detail"], v
     assert v["score"] == 0
     assert all(verdicts[w.public_key.hex()]["status"] == "accepted" for w in good)
     banned = {p["pubkey"]: p["banned_until_round"] for p in parts["participants"]}

@@ -167,5 +167,6 @@ def crash_drill(work_dir: Path, rounds: int = 4,
     for name in ["w0", "w1", "w2"]:
         receipts = work_dir / name / RUN_ID / "receipts"
         report.receipts[keys[name].public_key.hex()] = {int(p.stem)
-                                                       for p in receipts.glob("*.json")}
+                                                       for p in receipts.glob("*.json")
+                                                       if p.stem.isdigit()}
     return report

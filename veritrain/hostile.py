@@ -30,6 +30,7 @@ from veritrain.ledger.client import LedgerClient
 from veritrain.protocol.beacon import beacon_seed_of, sealed_list_digest
 from veritrain.protocol.encoding import encode_canonical
 from veritrain.protocol.identity import Identity
+from veritrain.protocol.messages import SpotReveal, sign
 
 from .synthetic import (
     HONEST,
@@ -149,6 +150,14 @@ class _Target:
     def submission(self, who: Identity, payload: bytes, r: int = 1, **kw: Any) -> bytes:
         return synthetic_submission(self.run, who, payload, round_index=r, base=self.base,
                                     **kw).encode()
+
+    def spot_reveal(self, who: Identity, data: bytes, r: int = 1,
+                    signer: Identity | None = None) -> bytes:
+        """``who``'s signed reveal of ``data`` for round ``r`` (signed by ``signer``)."""
+        msg = SpotReveal(run_id=self.run.spec.run_id, round=r, worker=who.public_key.hex(),
+                         submission_digest="00" * 32, reveal_hash=hashlib.sha256(data).hexdigest(),
+                         reveal_bytes=len(data), created_at=1)
+        return sign(signer or who, msg).encode()
 
     base: str = ""
 
@@ -286,12 +295,15 @@ def _cases(t: _Target, a_payload: bytes) -> list[tuple[str, frozenset[int],
         ("beacon share from a worker key", c400 | c401 | c403,
          lambda: s("POST", f"/v1/runs/{RUN_ID}/rounds/1/beacon",
                    encode_canonical(forged), JSON)),
-        ("reveal nobody asked for", c400 | c403 | c404 | c409,
-         lambda: s("PUT", f"/v1/runs/{RUN_ID}/rounds/1/reveals/{'0' * 64}", b"x",
-                   {"Content-Type": "application/octet-stream"})),
-        ("reveal named by a path", c400 | c404,
-         lambda: s("PUT", f"/v1/runs/{RUN_ID}/rounds/1/reveals/..%2F..%2Fledger.key", b"x",
-                   {"Content-Type": "application/octet-stream"})),
+        ("reveal nobody asked for (round still open)", c400 | c403 | c404 | c409,
+         lambda: s("POST", f"/v1/runs/{RUN_ID}/rounds/1/reveals", _multipart([
+             ("envelope", t.spot_reveal(a, b"x")), ("reveal", b"x")]), MULTIPART)),
+        ("reveal signed by another key than its worker", c400 | c401 | c403,
+         lambda: s("POST", f"/v1/runs/{RUN_ID}/rounds/1/reveals", _multipart([
+             ("envelope", t.spot_reveal(a, b"x", signer=b)), ("reveal", b"x")]), MULTIPART)),
+        ("reveal of a finalized round", c400 | c403 | c409,
+         lambda: s("POST", f"/v1/runs/{RUN_ID}/rounds/0/reveals", _multipart([
+             ("envelope", t.spot_reveal(a, b"x", r=0)), ("reveal", b"x")]), MULTIPART)),
         ("blob named by a path", c400 | c404, lambda: s("GET", "/v1/blobs/..%2Fledger.key")),
         ("sealed payload of an open round", c403,
          lambda: s("GET", f"/v1/blobs/{hashlib.sha256(a_payload).hexdigest()}")),

@@ -25,7 +25,7 @@ from veritrain.aggregation import attacks as A
 from veritrain.aggregation import build_aggregator
 from veritrain.protocol import bls
 from veritrain.protocol.beacon import beacon_root, compute_beacon_seed
-from veritrain.protocol.challenges import ChallengePolicy, compute_challenges, needed_hashes
+from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.codecs import ErrorFeedback
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.organiser import RunBundle, build_run
@@ -35,6 +35,7 @@ from veritrain.protocol.tensors import sha256_hex
 from veritrain.validators.checks import Candidate
 from veritrain.validators.probe import loss_regressions, probe_gains, probe_rows
 from veritrain.validators.round import RoundOutcome, process_round, resolve_aggregator_params
+from veritrain.workers.evidence import MemoryStore, RoundEvidence, reveal_bytes
 from veritrain.workers.round import prepare_submission
 
 WORKER_SIDE_ATTACKS = ("free_rider", "sign_flip", "label_flip")
@@ -156,20 +157,29 @@ class Swarm:
                   if self.banned_until.get(w.public_key.hex(), -1) < r]
         # The beacon share depends only on (run, round), and the challenges only on the
         # seed and who submits, so they can be known here without changing anyone's
-        # behaviour; it lets each worker keep just the evidence it will be asked for.
+        # behaviour; it lets each worker keep just the states its checks open, and write
+        # its reveal right away.
         share = self.validator.sign_bls(beacon_root(run.spec.run_id, r))
         seed = compute_beacon_seed([share])
-        policy = ChallengePolicy.from_spec(run.spec.inner, run.spec.verification)
+        policy = ChallengePolicy.of_run(run.spec)
         challenges = compute_challenges(
             seed, sorted(self.workers[i].public_key.hex() for i in active), policy)
-        evidence: dict[str, bytes] = {}
+        due = set(policy.checked_workers(challenges))
+        reveals: dict[str, bytes | None] = {}
+
+        def evidence_for(i: int) -> RoundEvidence:
+            me = self.workers[i].public_key.hex()
+            k = run.inner.trail_every
+            wanted = {run.inner.steps} | {s for j in challenges.get(me, [])
+                                          for s in (j * k, (j + 1) * k)}
+            return RoundEvidence(MemoryStore(), run, r, me, keep=wanted.__contains__)
 
         def keep(prep: Any) -> Any:
             sub = prep.signed.message
-            for digest in needed_hashes(sub.trail, challenges.get(sub.worker, []), sub.ef_hash):
-                if digest in prep.evidence:
-                    evidence[digest] = prep.evidence[digest]
-            prep.evidence = {}
+            if sub.worker in due:
+                reveals[sub.worker] = reveal_bytes(prep.evidence, seed,
+                                                   challenges.get(sub.worker, []), sub)
+            prep.evidence.settle()
             return prep
 
         prepared: dict[int, Any] = {}
@@ -180,6 +190,7 @@ class Swarm:
             ctx = self._flipped if attack == "label_flip" else run
             prepared[i] = keep(prepare_submission(
                 ctx, self.workers[i], r, self.base, self.base_hash, self.error_feedback[i],
+                evidence=evidence_for(i),
                 attack=attack if attack in ("free_rider", "sign_flip") else None,
                 device=self.device))
         omniscient = [i for i in active if self.byzantine.get(i) in OMNISCIENT_ATTACKS]
@@ -194,7 +205,8 @@ class Swarm:
                 for row, i in zip(rows, members, strict=True):
                     prepared[i] = keep(prepare_submission(
                         run, self.workers[i], r, self.base, self.base_hash,
-                        self.error_feedback[i], replace_delta=row.float()))
+                        self.error_feedback[i], evidence=evidence_for(i),
+                        replace_delta=row.float()))
         candidates = [Candidate(p.signed, p.payload) for p in prepared.values()]
         self.payload_bytes = [len(p.payload or b"") for p in prepared.values()]
         if self.keep_updates:
@@ -202,7 +214,7 @@ class Swarm:
         registered = {w.public_key.hex() for w in self.workers}
         banned = {w for w, until in self.banned_until.items() if until >= r}
         outcome = process_round(run, r, self.base_hash, self.base, self.outer, candidates,
-                                registered, banned, seed, evidence=evidence,
+                                registered, banned, seed, reveals=reveals,
                                 device=self.device)
         for i, p in prepared.items():
             self.error_feedback[i] = p.error_feedback
