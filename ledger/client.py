@@ -21,6 +21,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -56,6 +57,29 @@ class _Transient(Exception):
     pass
 
 
+@dataclass
+class Traffic:
+    """Bytes a node sent and received through its client, by what they carried.
+
+    Kinds a node uses: ``payload`` (a worker's submission), ``verification`` (its reveal),
+    ``model`` (base models, outer states and broadcast updates it downloads),
+    ``results`` (a validator's round result and model files), ``payloads`` and
+    ``reveals`` (what a validator downloads to judge), ``control`` (JSON reads and
+    messages). Bodies are counted as sent and received, without HTTP headers."""
+
+    up: dict[str, int] = field(default_factory=dict)
+    down: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, *, up: int = 0, down: int = 0) -> None:
+        if up:
+            self.up[kind] = self.up.get(kind, 0) + up
+        if down:
+            self.down[kind] = self.down.get(kind, 0) + down
+
+    def to_json(self) -> dict[str, dict[str, int]]:
+        return {"up": dict(self.up), "down": dict(self.down)}
+
+
 class LedgerClient:
     def __init__(self, base_url: str, *, retry_for: float = 300.0, timeout: float = 120.0,
                  backoff_max: float = 10.0) -> None:
@@ -64,6 +88,7 @@ class LedgerClient:
         self.backoff_max = backoff_max
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=10)
         self._session: aiohttp.ClientSession | None = None
+        self.traffic = Traffic()
 
     async def __aenter__(self) -> LedgerClient:
         self._session = aiohttp.ClientSession(timeout=self._timeout)
@@ -109,7 +134,9 @@ class LedgerClient:
         async def attempt() -> Any:
             async with self.session.get(self.base_url + path) as resp:
                 await self._check(resp)
-                return await resp.json()
+                body = await resp.read()
+                self.traffic.add("control", down=len(body))
+                return json.loads(body)
 
         return await self._retrying(f"GET {path}", attempt)
 
@@ -120,13 +147,16 @@ class LedgerClient:
             async with self.session.post(self.base_url + path, data=body,
                                          headers={"Content-Type": "application/json"}) as resp:
                 await self._check(resp)
-                return await resp.json()
+                reply = await resp.read()
+                self.traffic.add("control", up=len(body), down=len(reply))
+                return json.loads(reply)
 
         return await self._retrying(f"POST {path}", attempt)
 
-    async def post_multipart(self, path: str, parts: list[tuple[str, bytes | Path, str]]
-                             ) -> Any:
-        """POST named parts in order: (name, bytes or a file to stream, content type)."""
+    async def post_multipart(self, path: str, parts: list[tuple[str, bytes | Path, str]],
+                             *, kind: str = "control") -> Any:
+        """POST named parts in order: (name, bytes or a file to stream, content type); their
+        bytes count as ``kind`` in :attr:`traffic`."""
 
         async def attempt() -> Any:
             with contextlib.ExitStack() as files, aiohttp.MultipartWriter("form-data") as mp:
@@ -137,21 +167,17 @@ class LedgerClient:
                     part.set_content_disposition("form-data", name=name)
                 async with self.session.post(self.base_url + path, data=mp) as resp:
                     await self._check(resp)
-                    return await resp.json()
+                    reply = await resp.read()
+                    self.traffic.add(kind, up=sum(
+                        d.stat().st_size if isinstance(d, Path) else len(d) for _, d, _ in parts),
+                        down=len(reply))
+                    return json.loads(reply)
 
         return await self._retrying(f"POST {path}", attempt)
 
-    async def put_bytes(self, path: str, data: bytes) -> Any:
-        async def attempt() -> Any:
-            async with self.session.put(self.base_url + path, data=data, headers={
-                    "Content-Type": "application/octet-stream"}) as resp:
-                await self._check(resp)
-                return await resp.json()
-
-        return await self._retrying(f"PUT {path}", attempt)
-
-    async def get_blob(self, digest: str, *, max_bytes: int) -> bytes:
-        """Download a content-addressed blob, refusing oversized or mismatched content."""
+    async def get_blob(self, digest: str, *, max_bytes: int, kind: str = "model") -> bytes:
+        """Download a content-addressed blob, refusing oversized or mismatched content; its
+        bytes count as ``kind`` in :attr:`traffic`."""
 
         async def attempt() -> bytes:
             async with self.session.get(f"{self.base_url}/v1/blobs/{digest}") as resp:
@@ -169,6 +195,7 @@ class LedgerClient:
                     chunks.append(chunk)
                 if h.hexdigest() != digest:
                     raise PayloadError(f"blob {digest[:12]} does not match its content hash")
+                self.traffic.add(kind, down=size)
                 return b"".join(chunks)
 
         return await self._retrying(f"GET blob {digest[:12]}", attempt)

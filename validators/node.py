@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -80,6 +82,9 @@ class ValidatorConfig:
     #: Evaluation only: ``shard_shift`` publishes this validator's shard scaled by
     #: 1 + 1e-3, the tiny corruption the other validators' checks must catch.
     attack: str | None = None
+    #: Where to write what the node sent and received and how long its rounds took (JSON,
+    #: rewritten after every round), or None.
+    stats_path: Path | None = None
 
 
 class ValidatorNode:
@@ -89,13 +94,16 @@ class ValidatorNode:
         self.config = config
         self.identity = identity
         self.me = identity.public_key.hex()
+        self.stats: list[dict[str, Any]] = []  # one entry per certified round
 
     async def run(self, *, max_rounds: int | None = None) -> None:
         async with LedgerClient(self.config.ledger_url, retry_for=self.config.retry_for) as client:
+            self.client = client
             spec = await fetch_run(client, self.config.run_id)
             if spec.validator_index(self.me) is None:
                 raise SystemExit("this key is not a validator of the run")
-            dataset = await client.get_blob(spec.dataset_hash, max_bytes=spec.dataset_bytes)
+            dataset = await client.get_blob(spec.dataset_hash, max_bytes=spec.dataset_bytes,
+                                            kind="dataset")
             run = await asyncio.to_thread(RunContext.build, spec, dataset)
             log.info("validating run %s (%d parameters)", spec.run_id, run.numel)
             r = 0
@@ -141,6 +149,13 @@ class ValidatorNode:
                     refused.add(r)
                     continue
                 done += 1
+
+    def write_stats(self) -> None:
+        """Rewrite the stats file (traffic by kind, each round's timings), if one is set."""
+        if self.config.stats_path is None:
+            return
+        self.config.stats_path.write_text(json.dumps({
+            "role": "validator", "traffic": self.client.traffic.to_json(), "rounds": self.stats}))
 
     async def beacon_seed(self, client: LedgerClient, spec: RunSpec, r: int,
                           sealed: list[Any] | None = None) -> bytes:
@@ -207,7 +222,8 @@ class ValidatorNode:
                     run.numel, run.inner.trail_every, len(c["segments"]) or 1, policy,
                     payload_bytes=spec.limits["max_payload_bytes"] if spec.masked else 0)
                 reveals[worker] = await client.get_blob(msg.reveal_hash,
-                                                        max_bytes=min(msg.reveal_bytes, bound))
+                                                        max_bytes=min(msg.reveal_bytes, bound),
+                                                        kind="reveals")
             except (RejectedInput, LedgerRefused) as exc:
                 log.warning("round %d: reveal of %s unusable: %s", r, worker[:12], exc)
         return reveals
@@ -217,6 +233,14 @@ class ValidatorNode:
         spec = run.spec
         r = info["round"]
         started = time.monotonic()
+        timings: dict[str, float] = {}
+        clock = [started]
+
+        def lap(name: str) -> None:
+            now = time.monotonic()
+            timings[name] = timings.get(name, 0.0) + now - clock[0]
+            clock[0] = now
+
         base_flat, outer = run.decode_base(*await fetch_base_files(
             client, run.spec, info, max_model_bytes=run.max_model_bytes))
         # One sealed list for the share, the candidates and the buckets: the one signed.
@@ -247,24 +271,28 @@ class ValidatorNode:
                 payload = await client.get_blob(
                     signed.message.payload_hash,
                     max_bytes=min(signed.message.payload_bytes,
-                                  spec.limits["max_payload_bytes"]))
+                                  spec.limits["max_payload_bytes"]), kind="payloads")
             except (LedgerRefused, RejectedInput) as exc:
                 log.warning("payload of %s unavailable: %s", signed.message.worker[:12], exc)
                 payload = None
             candidates.append(Candidate(signed, payload))
+        lap("fetch")
         if spec.masked is not None:
             filtered = await self.masked_filter(client, run, info, base_flat, candidates,
                                                 registered, banned, seed)
         else:
             reveals = await self.gather_reveals(
                 client, run, r, {c.worker: c.signed.digest for c in candidates})
+            lap("reveal_wait")
             filtered = await asyncio.to_thread(
                 filter_round, run, r, info["base_model_hash"], base_flat, candidates,
                 registered, banned, seed, reveals=reveals, device=self.config.device)
+        lap("verification")
         if spec.shards and filtered.stacked is not None:
             aggregate = await self.sharded_aggregate(client, run, filtered)
         else:
             aggregate = await asyncio.to_thread(aggregate_locally, run, filtered, seed)
+        lap("aggregation")
         outcome = await asyncio.to_thread(finish_round, run, filtered, aggregate, base_flat,
                                           outer, device=self.config.device)
         model_bytes = run.encode_model(outcome.new_flat)
@@ -285,11 +313,15 @@ class ValidatorNode:
             [("result", sign(self.identity, result).encode(), "application/json"),
              ("model", model_bytes, "application/octet-stream"),
              ("outer_state", outer_bytes, "application/octet-stream"),
-             ("update", outcome.update_payload, "application/octet-stream")])
+             ("update", outcome.update_payload, "application/octet-stream")], kind="results")
+        lap("certificate")
         rejected = [v for v in outcome.verdicts if v["status"] == "rejected"]
         log.info("round %d: %d accepted, %d rejected, eval loss %.4f, %s (%.1fs)", r,
                  len(outcome.accepted), len(rejected), outcome.eval_loss, reply["status"],
                  time.monotonic() - started)
+        self.stats.append({"round": r, "seconds": time.monotonic() - started,
+                           **{f"{k}_s": v for k, v in timings.items()}})
+        self.write_stats()
         return outcome
 
     # -------------------------------------------------------------- masked rounds

@@ -112,7 +112,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         Path.home() / ".veritrain" / f"worker-{identity.public_key.hex()[:16]}")
     config = WorkerConfig(ledger_url=args.ledger, state_dir=state_dir, run_id=args.run,
                           device=args.device, attack=args.attack, retry_for=args.retry_for,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, keep_every=args.keep_every,
+                          stats_path=Path(args.stats) if args.stats else None)
     count = asyncio.run(WorkerNode(config, identity).run(max_rounds=args.max_rounds))
     print(f"worker done: {count} submission(s)")
     return 0
@@ -126,7 +127,8 @@ def cmd_validator(args: argparse.Namespace) -> int:
     _check_device(args.device)
     config = ValidatorConfig(ledger_url=args.ledger, run_id=args.run, device=args.device,
                              retry_for=args.retry_for, shard_wait=args.shard_wait,
-                             attack=args.attack)
+                             attack=args.attack,
+                             stats_path=Path(args.stats) if args.stats else None)
     asyncio.run(ValidatorNode(config, identity).run(max_rounds=args.max_rounds))
     return 0
 
@@ -247,7 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
         n.add_argument("--max-rounds", type=int, help="stop after this many rounds")
         n.add_argument("--retry-for", type=float, default=300.0,
                        help="seconds to keep retrying an unreachable ledger")
+        n.add_argument("--stats", metavar="FILE",
+                       help="write the bytes sent and received by kind and each round's "
+                       "timings to FILE (JSON, rewritten every round)")
         if name == "worker":
+            n.add_argument("--keep-every", type=int, metavar="N",
+                           help="keep every N-th step's whole training state on disk for "
+                           "spot checks (default: every one); a challenged step between "
+                           "kept states is recomputed")
             n.add_argument("--state-dir", help="receipts and error feedback "
                            "(default ~/.veritrain/worker-<key>)")
             n.add_argument("--no-progress", action="store_true", help="no progress bar")

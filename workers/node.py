@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +64,9 @@ class WorkerConfig:
     #: Keep every n-th step's whole state for reveals (None: every committed state);
     #: larger saves disk, and a challenged step between kept states is replayed.
     keep_every: int | None = None
+    #: Where to write what the node sent and received and how long its rounds took (JSON,
+    #: rewritten after every round), or None.
+    stats_path: Path | None = None
 
 
 @dataclass
@@ -91,6 +96,21 @@ class ProgressLine:
             sys.stderr.flush()
 
 
+class StepClock:
+    """A progress callback that also keeps each inner step's wall time."""
+
+    def __init__(self, then: Callable[[int, float], None]) -> None:
+        self.then = then
+        self.durations: list[float] = []
+        self._last = time.perf_counter()
+
+    def __call__(self, step: int, loss: float) -> None:
+        now = time.perf_counter()
+        self.durations.append(now - self._last)
+        self._last = now
+        self.then(step, loss)
+
+
 class WorkerNode:
     def __init__(self, config: WorkerConfig, identity: Identity) -> None:
         if config.attack is not None and config.attack not in ATTACKS:
@@ -104,13 +124,16 @@ class WorkerNode:
         self.ledger_key = ""
         self.local: LocalModel | None = None
         self.bytes_down = 0
+        self.stats: list[dict[str, Any]] = []  # one entry per submitted round
 
     async def run(self, *, max_rounds: int | None = None) -> int:
         """Train and submit until the run ends (or ``max_rounds`` submissions); returns the count."""
         async with LedgerClient(self.config.ledger_url, retry_for=self.config.retry_for) as client:
+            self.client = client
             spec = await fetch_run(client, self.config.run_id)
             self.ledger_key = (await client.get_json("/v1/ledger"))["ledger_key"]
-            dataset = await client.get_blob(spec.dataset_hash, max_bytes=spec.dataset_bytes)
+            dataset = await client.get_blob(spec.dataset_hash, max_bytes=spec.dataset_bytes,
+                                            kind="dataset")
             run = await asyncio.to_thread(RunContext.build, spec, dataset)
             state = WorkerState(self.config.state_dir, spec.run_id, run.numel)
             reg = Registration(run_id=spec.run_id, round=0, participant=self.me, role="worker",
@@ -129,6 +152,7 @@ class WorkerNode:
                     break
                 r = info["round"]
                 await self.answer_challenges(client, run, state)
+                self.write_stats()
                 if info["status"] != "open" or state.submitted(r) or r in self.refused:
                     await asyncio.sleep(self.config.poll_seconds)
                     continue
@@ -140,7 +164,15 @@ class WorkerNode:
                 if overview["status"] != "active" and not state.pending_rounds():
                     break
                 await asyncio.sleep(self.config.poll_seconds)
+            self.write_stats()
             return submitted
+
+    def write_stats(self) -> None:
+        """Rewrite the stats file (traffic by kind, each round's timings), if one is set."""
+        if self.config.stats_path is None:
+            return
+        self.config.stats_path.write_text(json.dumps({
+            "role": "worker", "traffic": self.client.traffic.to_json(), "rounds": self.stats}))
 
     async def sync_model(self, client: LedgerClient, run: RunContext, info: dict[str, Any]
                          ) -> torch.Tensor:
@@ -184,14 +216,15 @@ class WorkerNode:
         spec, r = run.spec, info["round"]
         base_flat = await self.sync_model(client, run, info)
         started = time.monotonic()
+        steps = StepClock(ProgressLine(self.config.progress, r, run.inner.steps))
         store = state.evidence_store(r)
         evidence = RoundEvidence(store, run, r, self.me,
                                  keep_every=self.config.keep_every or run.inner.trail_every)
         prepared = await asyncio.to_thread(
             prepare_submission, run, self.identity, r, base_flat, info["base_model_hash"],
             state.error_feedback, evidence=evidence, attack=self.config.attack,
-            device=self.config.device, pool=self.hashing,
-            progress=ProgressLine(self.config.progress, r, run.inner.steps))
+            device=self.config.device, pool=self.hashing, progress=steps)
+        trained = time.monotonic() - started
         # The evidence goes to disk before the ledger can accept the submission: a
         # crash right after acceptance must not leave the worker unable to answer
         # its checks (an honest worker would then fail its spot check).
@@ -205,7 +238,7 @@ class WorkerNode:
             parts.append(("payload", prepared.payload, "application/octet-stream"))
         try:
             wire = await client.post_multipart(
-                f"/v1/runs/{spec.run_id}/rounds/{r}/submissions", parts)
+                f"/v1/runs/{spec.run_id}/rounds/{r}/submissions", parts, kind="payload")
         except LedgerRefused as exc:
             if exc.reason == "duplicate":
                 log.info("round %d was already submitted before a restart", r)
@@ -222,6 +255,10 @@ class WorkerNode:
         sub = prepared.signed.message
         log.info("round %d: submitted %d bytes (loss %.4f -> %.4f) in %.1fs", r, len(prepared.payload),
                  sub.loss_first, sub.loss_last, time.monotonic() - started)
+        self.stats.append({"round": r, "train_s": trained, "step_s": steps.durations,
+                           "submit_s": time.monotonic() - started - trained,
+                           "payload_bytes": len(prepared.payload)})
+        self.write_stats()
         if masked:
             update = run.codec.decode(prepared.payload, run.numel, seed=run.codec_seed(r, self.me))
             attack = self.config.attack if self.config.attack in SECAGG_ATTACKS else None
@@ -292,7 +329,7 @@ async def answer_checks(client: LedgerClient, run: RunContext, identity: Identit
         try:
             wire = await client.post_multipart(f"{base}/reveals", [
                 ("envelope", envelope.encode(), "application/json"),
-                ("reveal", path, "application/octet-stream")])
+                ("reveal", path, "application/octet-stream")], kind="verification")
         except LedgerRefused as exc:
             log.warning("round %d: reveal refused (%s): %s", r, exc.reason, exc.detail)
             if exc.reason in ("reveal_late", "round_finalized", "not_challenged"):
