@@ -175,28 +175,36 @@ class LedgerClient:
 
         return await self._retrying(f"POST {path}", attempt)
 
-    async def get_blob(self, digest: str, *, max_bytes: int, kind: str = "model") -> bytes:
+    async def get_blob(self, digest: str, *, max_bytes: int, kind: str = "model") -> bytearray:
         """Download a content-addressed blob, refusing oversized or mismatched content; its
         bytes count as ``kind`` in :attr:`traffic`."""
 
-        async def attempt() -> bytes:
+        async def attempt() -> bytearray:
             async with self.session.get(f"{self.base_url}/v1/blobs/{digest}") as resp:
                 await self._check(resp)
                 if resp.content_length is not None and resp.content_length > max_bytes:
                     raise OversizedError(f"blob {digest[:12]} is larger than {max_bytes} bytes")
                 h = hashlib.sha256()
-                chunks: list[bytes] = []
+                # One buffer of the announced size (a blob of a model's size is not held
+                # twice); a body that does not say grows a buffer instead.
+                buf = bytearray(resp.content_length or 0)
                 size = 0
-                async for chunk in resp.content.iter_chunked(1 << 16):
-                    size += len(chunk)
-                    if size > max_bytes:
+                async for chunk in resp.content.iter_chunked(1 << 20):
+                    end = size + len(chunk)
+                    if end > max_bytes:
                         raise OversizedError(f"blob {digest[:12]} exceeds {max_bytes} bytes")
                     h.update(chunk)
-                    chunks.append(chunk)
+                    if end <= len(buf):
+                        buf[size:end] = chunk
+                    else:
+                        buf[size:] = chunk
+                    size = end
+                if size != len(buf):
+                    del buf[size:]
                 if h.hexdigest() != digest:
                     raise PayloadError(f"blob {digest[:12]} does not match its content hash")
                 self.traffic.add(kind, down=size)
-                return b"".join(chunks)
+                return buf
 
         return await self._retrying(f"GET blob {digest[:12]}", attempt)
 

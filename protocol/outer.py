@@ -31,13 +31,23 @@ def outer_step(
     mu: float,
     nesterov: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (new params, new momentum); inputs are not modified."""
+    """Return (new params, new momentum); inputs are not modified.
+
+    Three vectors are allocated (the new momentum, the step, the new parameters); each
+    operation is the formula's, in its order, so the bits are the formula's.
+    """
     if not params.shape == momentum.shape == update.shape:
         raise ValueError("params, momentum and update must have the same shape")
     p, m, g = (x.detach().to(torch.float32).cpu() for x in (params, momentum, update))
-    new_m = m * mu + g
-    step = g + new_m * mu if nesterov else new_m
-    return p - step * lr, new_m
+    new_m = m * mu
+    new_m += g
+    if nesterov:
+        step = new_m * mu
+        step += g  # g + new_m * mu: addition is exactly commutative
+    else:
+        step = new_m.clone()
+    step *= lr
+    return torch.sub(p, step, out=step), new_m
 
 
 @dataclass

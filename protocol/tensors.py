@@ -17,8 +17,6 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from .errors import NonFiniteError, OversizedError, PayloadError
 
@@ -73,13 +71,53 @@ def join_flat(tensors: Mapping[str, torch.Tensor], shapes: ParamShapes) -> torch
     return torch.cat([tensors[name].reshape(-1).float() for name, _ in shapes])
 
 
+def _header(shapes: ParamShapes) -> tuple[bytes, list[tuple[str, int, int]]]:
+    """The safetensors header of float32 tensors laid out by ``shapes`` exactly as
+    ``safetensors.torch.save`` writes it (tensors sorted by name, data in that order, each
+    entry's keys dtype, shape, data_offsets; padded with spaces to a multiple of 8), with
+    each tensor's (name, flat offset, data offset) in file order."""
+    offsets: dict[str, int] = {}
+    position = 0
+    for name, shape in shapes:
+        offsets[name] = position
+        position += math.prod(shape)
+    order = sorted(dict(shapes).items())
+    entries, places, data = [], [], 0
+    for name, shape in order:
+        size = 4 * math.prod(shape)
+        dims = ",".join(str(d) for d in shape)
+        entries.append(f'{json.dumps(name)}:{{"dtype":"F32","shape":[{dims}],'
+                       f'"data_offsets":[{data},{data + size}]}}')
+        places.append((name, offsets[name], data))
+        data += size
+    raw = ("{" + ",".join(entries) + "}").encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, places
+
+
 def encode_flat(flat: torch.Tensor, shapes: ParamShapes) -> bytes:
-    """Canonical safetensors bytes of a flat float32 vector laid out by ``shapes``."""
-    named = {
-        name: t.detach().to(torch.float32).cpu().contiguous().clone()
-        for name, t in split_flat(flat.detach().float().cpu(), shapes).items()
-    }
-    return st_save(named)
+    """Canonical safetensors bytes of a flat float32 vector laid out by ``shapes``: the
+    bytes ``safetensors.torch.save`` writes for the named tensors, built with one copy."""
+    vec = flat.detach().to(torch.float32).cpu().reshape(-1).contiguous()
+    if vec.numel() != numel_of(shapes):
+        raise ValueError(f"flat vector has {vec.numel()} elements, layout needs {numel_of(shapes)}")
+    header, places = _header(shapes)
+    sizes = {name: math.prod(shape) for name, shape in shapes}
+    data = memoryview(vec.numpy()).cast("B")
+    return header + b"".join(data[4 * start:4 * (start + sizes[name])]
+                             for name, start, _ in places)
+
+
+def hash_flat(flat: torch.Tensor, shapes: ParamShapes) -> str:
+    """``sha256_hex(encode_flat(flat, shapes))`` without building the file."""
+    vec = flat.detach().to(torch.float32).cpu().reshape(-1).contiguous()
+    header, places = _header(shapes)
+    sizes = {name: math.prod(shape) for name, shape in shapes}
+    data = memoryview(vec.numpy()).cast("B")
+    h = hashlib.sha256(header)
+    for name, start, _ in places:
+        h.update(data[4 * start:4 * (start + sizes[name])])
+    return h.hexdigest()
 
 
 def decode_flat(data: bytes, shapes: ParamShapes, *, max_bytes: int) -> torch.Tensor:
@@ -87,7 +125,8 @@ def decode_flat(data: bytes, shapes: ParamShapes, *, max_bytes: int) -> torch.Te
 
     Refuses files over ``max_bytes``, headers over :data:`MAX_HEADER_BYTES`,
     any name, shape or dtype that differs from ``shapes``, and non-finite
-    values.
+    values. The header must be the canonical one byte for byte (so the file is
+    exactly what :func:`encode_flat` writes); the values are copied once.
     """
     if len(data) > max_bytes:
         raise OversizedError(f"tensor file of {len(data)} bytes exceeds limit {max_bytes}")
@@ -99,17 +138,17 @@ def decode_flat(data: bytes, shapes: ParamShapes, *, max_bytes: int) -> torch.Te
     expected_bytes = 8 + header_len + 4 * numel_of(shapes)
     if len(data) != expected_bytes:
         raise PayloadError(f"tensor file is {len(data)} bytes, layout needs {expected_bytes}")
-    try:
-        tensors = st_load(data)
-    except Exception as exc:  # the parser reports malformed files with its own types
-        raise PayloadError(f"tensor file does not parse: {exc}") from exc
-    expected = dict(shapes)
-    if set(tensors) != set(expected):
-        raise PayloadError("tensor file names differ from the run's parameter layout")
-    for name, t in tensors.items():
-        if t.dtype != torch.float32 or tuple(t.shape) != expected[name]:
-            raise PayloadError(f"tensor {name!r} has {t.dtype} {tuple(t.shape)}, expected float32 {expected[name]}")
-    flat = join_flat(tensors, shapes)
+    header, places = _header(shapes)
+    if data[:len(header)] != header:
+        raise PayloadError("tensor file names, shapes or dtypes differ from the run's "
+                           "parameter layout")
+    sizes = {name: math.prod(shape) for name, shape in shapes}
+    flat = torch.empty(numel_of(shapes), dtype=torch.float32)
+    out = memoryview(flat.numpy()).cast("B")
+    body = memoryview(data)[len(header):]
+    for name, start, at in places:
+        n = 4 * sizes[name]
+        out[4 * start:4 * start + n] = body[at:at + n]
     if not bool(torch.isfinite(flat).all()):
         raise NonFiniteError("tensor file holds NaN or Inf")
     return flat

@@ -287,7 +287,6 @@ class LocalTrainResult:
     losses: list[float]  # training loss at each inner step, before that step's update
     samples: int  # steps * batch_size
     trail: list[str]  # commitments of the states after steps k, 2k, ..., H
-    final_state: TrainingState
     final_leaves: tuple[bytes, bytes, bytes] = field(repr=False, default=(b"", b"", b""))
 
 
@@ -300,7 +299,8 @@ class _Trainer:
     """
 
     def __init__(
-        self, task: Task, dataset: Dataset, cfg: InnerConfig, device: torch.device
+        self, task: Task, dataset: Dataset, cfg: InnerConfig, device: torch.device,
+        *, moments: bool = True,
     ) -> None:
         self.task, self.dataset, self.cfg, self.device = task, dataset, cfg, device
         self.model = task.make_model().to(device)
@@ -308,8 +308,10 @@ class _Trainer:
         self.params = list(self.model.parameters())
         self.numel = sum(p.numel() for p in self.params)
         self.flat = torch.empty(self.numel, dtype=torch.float32, device=device)
-        self.exp_avg = torch.zeros_like(self.flat)
-        self.exp_avg_sq = torch.zeros_like(self.flat)
+        # A trainer that only takes gradients (a validator's one-step checks) needs no
+        # moment buffers: 8 bytes per parameter it does not hold.
+        self.exp_avg = torch.zeros_like(self.flat) if moments else torch.empty(0)
+        self.exp_avg_sq = torch.zeros_like(self.flat) if moments else torch.empty(0)
         self.opt = torch.optim.AdamW(
             self.params,
             lr=cfg.lr,
@@ -320,19 +322,35 @@ class _Trainer:
             fused=False,
         )
         offset = 0
+        #: [start, stop) of each parameter in the flat buffers.
+        self.bounds: list[tuple[int, int]] = []
         with torch.no_grad():
             for p in self.params:
                 n = p.numel()
                 self.flat[offset:offset + n].copy_(p.detach().reshape(-1).float())
                 p.data = self.flat[offset:offset + n].view_as(p)
-                self.opt.state[p] = {
-                    # AdamW keeps step as a float32 CPU scalar when not capturable/fused.
-                    "step": torch.tensor(0.0, dtype=torch.float32),
-                    "exp_avg": self.exp_avg[offset:offset + n].view_as(p),
-                    "exp_avg_sq": self.exp_avg_sq[offset:offset + n].view_as(p),
-                }
+                if moments:
+                    self.opt.state[p] = {
+                        # AdamW keeps step as a float32 CPU scalar when not capturable/fused.
+                        "step": torch.tensor(0.0, dtype=torch.float32),
+                        "exp_avg": self.exp_avg[offset:offset + n].view_as(p),
+                        "exp_avg_sq": self.exp_avg_sq[offset:offset + n].view_as(p),
+                    }
+                self.bounds.append((offset, offset + n))
                 offset += n
         self.step = 0
+
+    def gradient_at(self, index: torch.Tensor) -> torch.Tensor:
+        """The gradients :meth:`gradients` left, at the sorted flat coordinates ``index``
+        (gathered parameter by parameter: no whole flat gradient is built)."""
+        pieces = []
+        lo = 0
+        for p, (start, stop) in zip(self.params, self.bounds, strict=True):
+            hi = int(torch.searchsorted(index, stop))
+            if hi > lo:
+                pieces.append(p.grad.reshape(-1)[index[lo:hi] - start])
+            lo = hi
+        return torch.cat(pieces) if pieces else torch.empty(0, device=self.device)
 
     def load(self, start: TrainingState) -> None:
         """Make ``start`` the current state (parameters, moments and step)."""
@@ -345,6 +363,17 @@ class _Trainer:
         for p in self.params:
             self.opt.state[p]["step"].fill_(float(start.step))
         self.step = start.step
+
+    def load_base(self, base_flat: torch.Tensor) -> None:
+        """Make the round's start the current state: ``base_flat``, zero moments, step 0
+        (what ``load(TrainingState.initial(base_flat))`` does, without its copies)."""
+        with torch.no_grad():
+            self.flat.copy_(base_flat.detach().reshape(-1))
+            self.exp_avg.zero_()
+            self.exp_avg_sq.zero_()
+        for p in self.params:
+            self.opt.state[p]["step"].fill_(0.0)
+        self.step = 0
 
     def state(self) -> TrainingState:
         """The current state as views of the buffers (no copy)."""
@@ -476,6 +505,7 @@ def run_steps(
     if committer.pending is not None:
         entry, last = committer.wait()
         trail.append(entry)
+    trainer.opt.zero_grad(set_to_none=True)  # the gradients are not needed any more
     if not bool(torch.isfinite(trainer.flat).all()):
         raise TrainingDivergedError(f"parameters are not finite after step {trainer.step}")
     return trail, last
@@ -532,15 +562,15 @@ def train_step_at(
     """
     dev = torch.device(device)
     with deterministic_mode(dev, deterministic):
-        trainer = _trainer_for(task, dataset, cfg, dev)
+        trainer = _trainer_for(task, dataset, cfg, dev, moments=False)
         with torch.no_grad():
             trainer.flat.copy_(start_params.reshape(-1))
         trainer.step = start_step
         trainer.gradients(row)
-        grad = torch.cat([p.grad.reshape(-1) for p in trainer.params])
         idx = index.to(dev)
         piece = torch.nn.Parameter(trainer.flat[idx].clone())
-        piece.grad = grad[idx].clone()
+        piece.grad = trainer.gradient_at(idx)
+        trainer.opt.zero_grad(set_to_none=True)
         m, v = (moments if moments is not None
                 else (torch.zeros(idx.numel()), torch.zeros(idx.numel())))
         opt = torch.optim.AdamW([piece], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
@@ -581,16 +611,16 @@ _TRAINERS_LOCK = threading.Lock()
 
 
 def _trainer_for(task: Task, dataset: Dataset, cfg: InnerConfig,
-                 device: torch.device) -> _Trainer:
+                 device: torch.device, *, moments: bool = True) -> _Trainer:
     """A validator checks many steps of one run: reuse the last model built for the same
     task, dataset, settings and device (every check loads all the state it uses, so reuse
     cannot change a result). One per thread at a time: checks run in one thread."""
     with _TRAINERS_LOCK:
         for trainer in _TRAINERS:
             if (trainer.task is task and trainer.dataset is dataset and trainer.cfg == cfg
-                    and trainer.device == device):
+                    and trainer.device == device and (trainer.exp_avg.numel() > 0) == moments):
                 return trainer
-    trainer = _Trainer(task, dataset, cfg, device)
+    trainer = _Trainer(task, dataset, cfg, device, moments=moments)
     with _TRAINERS_LOCK:
         _TRAINERS[:] = [trainer, *_TRAINERS[:1]]
     return trainer
@@ -627,24 +657,21 @@ def local_train(
     losses: list[float] = []
     with deterministic_mode(dev, deterministic):
         trainer = _Trainer(task, dataset, cfg, dev)
-        trainer.load(start if start is not None else TrainingState.initial(base_flat))
+        if start is None:
+            trainer.load_base(base_flat)
+        else:
+            trainer.load(start)
         trail, leaves = run_steps(trainer, assignment, losses=losses,
                                   commit_every=cfg.trail_every, pool=pool, sink=sink,
                                   progress=progress)
     final = trainer.flat.detach().cpu()
-    if final.data_ptr() == trainer.flat.data_ptr():
-        final_state = TrainingState(trainer.flat, trainer.exp_avg, trainer.exp_avg_sq,
-                                    trainer.step)
-    else:
-        final_state = TrainingState(final, trainer.exp_avg.cpu(), trainer.exp_avg_sq.cpu(),
-                                    trainer.step)
+    del trainer  # its moments go now (the sink has seen every state), before the delta
     return LocalTrainResult(
         final_flat=final,
         delta=state_base(base_flat) - final,
         losses=losses,
         samples=cfg.steps * cfg.batch_size,
         trail=trail,
-        final_state=final_state,
         final_leaves=leaves,
     )
 

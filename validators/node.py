@@ -102,8 +102,9 @@ class ValidatorNode:
             spec = await fetch_run(client, self.config.run_id)
             if spec.validator_index(self.me) is None:
                 raise SystemExit("this key is not a validator of the run")
-            dataset = await client.get_blob(spec.dataset_hash, max_bytes=spec.dataset_bytes,
-                                            kind="dataset")
+            # bytes: a task's load_dataset takes the blob as bytes (tasks.md)
+            dataset = bytes(await client.get_blob(spec.dataset_hash,
+                                                  max_bytes=spec.dataset_bytes, kind="dataset"))
             run = await asyncio.to_thread(RunContext.build, spec, dataset)
             log.info("validating run %s (%d parameters)", spec.run_id, run.numel)
             r = 0

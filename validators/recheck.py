@@ -25,8 +25,8 @@ async def recheck(client: LedgerClient, run_id: str | None, r: int, worker_prefi
                   ) -> list[dict[str, Any]]:
     """Each recorded check of the worker in round ``r`` beside its recomputation."""
     spec = await fetch_run(client, run_id, wait_for=0)
-    run = RunContext.build(spec, await client.get_blob(spec.dataset_hash,
-                                                       max_bytes=spec.dataset_bytes))
+    run = RunContext.build(spec, bytes(await client.get_blob(spec.dataset_hash,
+                                                             max_bytes=spec.dataset_bytes)))
     summary = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}")
     verdicts = [v for v in summary["verdicts"] if v["worker"].startswith(worker_prefix)]
     if len(verdicts) != 1:

@@ -105,7 +105,7 @@ def decode_shard_result(data: bytes, *, max_bytes: int) -> ShardResult:
         raise PayloadError("shard result file header runs past its end")
     try:
         header = json.loads(data[8:8 + header_len])
-        tensors = st_load(data)
+        tensors = st_load(bytes(data))
     except Exception as exc:  # the parser reports malformed files with its own types
         raise PayloadError(f"shard result file does not parse: {exc}") from exc
     meta = header.get("__metadata__") if isinstance(header, dict) else None

@@ -36,6 +36,7 @@ from veritrain.protocol.commitments import (
     chunk_count,
     opened_label,
     sample_chunks,
+    vector_root,
 )
 from veritrain.protocol.messages import Submission
 from veritrain.protocol.reveal import RevealLayout, reveal_layout, write_reveal
@@ -165,11 +166,14 @@ class RoundEvidence:
 
     # -- while training
 
-    def begin(self, base_flat: torch.Tensor, residual: torch.Tensor) -> None:
-        """Keep the round's base (replays start there) and the residual its payload uses."""
+    def begin(self, base_flat: torch.Tensor, residual: torch.Tensor) -> str:
+        """Keep the round's base (replays start there) and the residual its payload uses;
+        the residual's commitment (the submission's ``ef_hash``)."""
         self.store.put_vector("base", (base_flat.detach().float().reshape(-1),))
         self.store.put_vector("ef", (residual.detach().float().reshape(-1),))
-        self.store.put_bytes("ef.leaves", leaves_of_vector(residual.detach().float().cpu()))
+        leaves = leaves_of_vector(residual.detach().float().cpu())
+        self.store.put_bytes("ef.leaves", leaves)
+        return vector_root(leaves, self.numel).hex()
 
     def sink(self, state: TrainingState, leaves: Leaves) -> None:
         """The training loop's state sink: every state's leaves, some states whole."""

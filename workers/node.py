@@ -41,7 +41,7 @@ from veritrain.protocol.messages import (
     sign,
 )
 from veritrain.protocol.runtime import RunContext
-from veritrain.protocol.tensors import sha256_hex
+from veritrain.protocol.tensors import hash_flat
 
 from .evidence import EvidenceMissing, RoundEvidence, file_sha256
 from .masked import SECAGG_ATTACKS, take_part
@@ -67,16 +67,6 @@ class WorkerConfig:
     #: Where to write what the node sent and received and how long its rounds took (JSON,
     #: rewritten after every round), or None.
     stats_path: Path | None = None
-
-
-@dataclass
-class LocalModel:
-    """The model a worker holds: the base of ``round``, with the outer momentum."""
-
-    round: int
-    params: torch.Tensor
-    momentum: torch.Tensor
-    model_hash: str
 
 
 class ProgressLine:
@@ -122,8 +112,6 @@ class WorkerNode:
         self.hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit")
         self.refused: set[int] = set()
         self.ledger_key = ""
-        self.local: LocalModel | None = None
-        self.bytes_down = 0
         self.stats: list[dict[str, Any]] = []  # one entry per submitted round
 
     async def run(self, *, max_rounds: int | None = None) -> int:
@@ -132,8 +120,9 @@ class WorkerNode:
             self.client = client
             spec = await fetch_run(client, self.config.run_id)
             self.ledger_key = (await client.get_json("/v1/ledger"))["ledger_key"]
-            dataset = await client.get_blob(spec.dataset_hash, max_bytes=spec.dataset_bytes,
-                                            kind="dataset")
+            # bytes: a task's load_dataset takes the blob as bytes (tasks.md)
+            dataset = bytes(await client.get_blob(spec.dataset_hash,
+                                                  max_bytes=spec.dataset_bytes, kind="dataset"))
             run = await asyncio.to_thread(RunContext.build, spec, dataset)
             state = WorkerState(self.config.state_dir, spec.run_id, run.numel)
             reg = Registration(run_id=spec.run_id, round=0, participant=self.me, role="worker",
@@ -174,36 +163,36 @@ class WorkerNode:
         self.config.stats_path.write_text(json.dumps({
             "role": "worker", "traffic": self.client.traffic.to_json(), "rounds": self.stats}))
 
-    async def sync_model(self, client: LedgerClient, run: RunContext, info: dict[str, Any]
-                         ) -> torch.Tensor:
+    async def sync_model(self, client: LedgerClient, run: RunContext, state: WorkerState,
+                         info: dict[str, Any]) -> torch.Tensor:
         """The round's certified base model, as cheaply as possible.
 
-        A worker that holds the previous round's model applies the round's
-        small broadcast update itself (the canonical outer step) and accepts
-        the result only if it hashes to the certified model; otherwise, and
-        after joining or falling behind, it downloads the full model and
-        outer state.
+        A worker that kept the previous round's model and outer momentum (on disk:
+        workers/state.py) applies the round's small broadcast update itself (the
+        canonical outer step) and accepts the result only if it hashes to the certified
+        model; otherwise, and after joining or falling behind, it downloads the full
+        model and outer state.
         """
         r, target = info["round"], info["base_model_hash"]
-        local = self.local
-        if local is not None and local.model_hash == target:
-            return local.params
-        if local is not None and r > 0 and local.round == r - 1:
-            state = verify_certificate(info["base_certificate"], run.spec, base_of_round=r)
-            if state.model_hash == target:
+        kept = state.model_meta()
+        if kept is not None and kept["model_hash"] == target:
+            return state.model_vector("params")
+        if kept is not None and r > 0 and kept["round"] == r - 1:
+            cert = verify_certificate(info["base_certificate"], run.spec, base_of_round=r)
+            if cert.model_hash == target:
                 payload = await client.get_blob(
-                    state.update_hash, max_bytes=run.codec.max_encoded_size(run.numel))
-                params, momentum = run.apply_update(local.params, local.momentum, payload, r - 1)
-                if sha256_hex(run.encode_model(params)) == target:
-                    self.local = LocalModel(r, params, momentum, target)
-                    self.bytes_down += len(payload)
+                    cert.update_hash, max_bytes=run.codec.max_encoded_size(run.numel))
+                params, momentum = await asyncio.to_thread(
+                    run.apply_update, state.model_vector("params"),
+                    state.model_vector("momentum"), payload, r - 1)
+                if hash_flat(params, run.shapes) == target:
+                    state.keep_model(r, target, params, momentum)
                     return params
                 log.warning("round %d: the broadcast update does not reproduce the certified "
                             "model here; downloading it in full", r)
         params, outer = run.decode_base(*await fetch_base_files(
             client, run.spec, info, max_model_bytes=run.max_model_bytes))
-        self.bytes_down += 4 * run.numel * (1 if r == 0 else 3)
-        self.local = LocalModel(r, params, outer.momentum, target)
+        state.keep_model(r, target, params, outer.momentum)
         return params
 
     async def answer_challenges(self, client: LedgerClient, run: RunContext,
@@ -214,7 +203,7 @@ class WorkerNode:
     async def train_and_submit(self, client: LedgerClient, run: RunContext, state: WorkerState,
                                info: dict[str, Any]) -> bool:
         spec, r = run.spec, info["round"]
-        base_flat = await self.sync_model(client, run, info)
+        base_flat = await self.sync_model(client, run, state, info)
         started = time.monotonic()
         steps = StepClock(ProgressLine(self.config.progress, r, run.inner.steps))
         store = state.evidence_store(r)

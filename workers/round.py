@@ -15,12 +15,10 @@ from dataclasses import dataclass
 
 import torch
 from veritrain.protocol.codecs import ErrorFeedback
-from veritrain.protocol.commitments import vector_root
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import Signed, Submission, sign
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import sha256_hex
-from veritrain.protocol.training import leaves_of_vector
 
 from .evidence import MemoryStore, RoundEvidence
 from .masked import SECAGG_ATTACKS
@@ -76,9 +74,9 @@ def prepare_submission(
     me = identity.public_key.hex()
     if evidence is None:
         evidence = RoundEvidence(MemoryStore(), run, r, me)
-    residual = error_feedback.residual
-    ef_hash = vector_root(leaves_of_vector(residual), run.numel).hex()
-    evidence.begin(base_flat, residual)
+    # The residual is read here and again after training, never held across it: a worker
+    # whose residual lives in a file (workers/state.py) does not keep it in memory then.
+    ef_hash = evidence.begin(base_flat, error_feedback.residual)
     if replace_delta is not None or attack == "free_rider":
         delta = replace_delta if replace_delta is not None else apply_attack(
             "free_rider", torch.full_like(base_flat, 1e-3), run.codec_seed(r, me))
@@ -89,8 +87,8 @@ def prepare_submission(
                            sink=evidence.sink, pool=pool)
         delta = apply_attack(attack, result.delta, run.codec_seed(r, me))
         trail, losses = result.trail, result.losses
-    ef = ErrorFeedback(run.numel)
-    ef.residual = residual  # step() replaces it, the caller's stays as it was
+        del result  # its final parameters: not needed for the payload
+    ef = ErrorFeedback.of(error_feedback.residual)  # step() replaces it; the caller's stays
     payload, _ = ef.step(run.codec, delta, seed=run.codec_seed(r, me),
                          decay=run.spec.feedback_decay)
     sub = Submission(

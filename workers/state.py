@@ -13,12 +13,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from veritrain.protocol.codecs import ErrorFeedback
 
 from .evidence import DirStore
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, data: bytes | memoryview) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "wb") as fh:
         fh.write(data)
@@ -27,16 +29,49 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+class StoredErrorFeedback(ErrorFeedback):
+    """A worker's residual that lives in its file: read each time it is used, so it takes
+    no memory in between (a model's size, during training)."""
+
+    def __init__(self, path: Path, numel: int) -> None:  # noqa: D107 (no residual held)
+        self.path = path
+        self.numel = numel
+
+    @property  # type: ignore[override]
+    def residual(self) -> torch.Tensor:
+        if not self.path.exists():
+            return torch.zeros(self.numel, dtype=torch.float32)
+        return ErrorFeedback.from_bytes(self.path.read_bytes(), self.numel).residual
+
+
 class WorkerState:
-    """What a worker must remember across restarts, kept as small files."""
+    """What a worker must remember across restarts, kept as files."""
 
     def __init__(self, root: Path, run_id: str, numel: int) -> None:
         self.dir = root / run_id
         (self.dir / "receipts").mkdir(parents=True, exist_ok=True)
+        (self.dir / "model").mkdir(exist_ok=True)
         self.numel = numel
-        ef_path = self.dir / "error_feedback.safetensors"
-        self.error_feedback = (ErrorFeedback.from_bytes(ef_path.read_bytes(), numel)
-                               if ef_path.exists() else ErrorFeedback(numel))
+        self.error_feedback = StoredErrorFeedback(self.dir / "error_feedback.safetensors",
+                                                  numel)
+
+    def keep_model(self, round_index: int, model_hash: str, params: torch.Tensor,
+                   momentum: torch.Tensor) -> None:
+        """Keep the base model of ``round_index`` and the outer momentum on disk: the next
+        round's base is this plus the round's small broadcast update."""
+        for name, vec in (("params", params), ("momentum", momentum)):
+            _atomic_write(self.dir / "model" / f"{name}.f32",
+                          memoryview(vec.detach().float().contiguous().numpy()).cast("B"))
+        _atomic_write(self.dir / "model" / "meta.json", json.dumps(
+            {"round": round_index, "model_hash": model_hash}).encode())
+
+    def model_meta(self) -> dict[str, Any] | None:
+        path = self.dir / "model" / "meta.json"
+        return json.loads(path.read_bytes()) if path.exists() else None
+
+    def model_vector(self, name: str) -> torch.Tensor:
+        """The kept ``params`` or ``momentum`` as a tensor (read from its file)."""
+        return torch.from_numpy(np.fromfile(self.dir / "model" / f"{name}.f32", dtype="<f4"))
 
     def evidence_store(self, r: int) -> DirStore:
         """Where round ``r``'s evidence lives until the round is settled."""
@@ -64,6 +99,5 @@ class WorkerState:
     def record(self, r: int, receipt: dict[str, Any] | None, error_feedback: ErrorFeedback) -> None:
         """Persist the residual first, then the receipt that marks the round done."""
         _atomic_write(self.dir / "error_feedback.safetensors", error_feedback.to_bytes())
-        self.error_feedback = error_feedback
         _atomic_write(self.dir / "receipts" / f"{r}.json",
                       json.dumps(receipt, sort_keys=True).encode())

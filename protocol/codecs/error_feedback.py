@@ -36,6 +36,14 @@ class ErrorFeedback:
         self.numel = check_numel(numel)
         self.residual = torch.zeros(numel, dtype=torch.float32)
 
+    @classmethod
+    def of(cls, residual: torch.Tensor) -> ErrorFeedback:
+        """Error feedback holding ``residual`` (not copied)."""
+        ef = cls.__new__(cls)
+        ef.numel = check_numel(residual.numel())
+        ef.residual = residual
+        return ef
+
     def step(
         self, codec: Codec, delta: torch.Tensor, *, seed: int = 0, decay: float = 1.0
     ) -> tuple[bytes, torch.Tensor]:
@@ -49,9 +57,12 @@ class ErrorFeedback:
                 f"delta has {delta.numel()} elements, error feedback holds {self.numel}"
             )
         target = delta + self.residual
+        # The old residual goes before the codec's temporaries arrive, and the new one is
+        # the target itself: a model's size less at the peak, twice.
+        self.residual = torch.empty(0)
         payload = codec.encode(target, seed=seed)
         decoded = codec.decode(payload, self.numel, seed=seed)
-        self.residual = target - decoded
+        self.residual = target.sub_(decoded)
         if decay != 1.0:
             self.residual.mul_(decay)
         return payload, decoded
