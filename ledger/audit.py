@@ -20,7 +20,7 @@ from typing import Any
 
 from veritrain.ledger.client import LedgerClient
 
-from .chain import ChainRow
+from .chain import ChainRow, body_bytes
 from .export import (
     ExportError,
     line_ranges,
@@ -32,7 +32,7 @@ from .export import (
 )
 from .verify import AuditResult, check_views, fork_pool, gc_paused, verify_log, verify_scans
 
-__all__ = ["AuditResult", "fetch_events", "fetch_verdicts", "format_report", "format_result",
+__all__ = ["AuditResult", "UnreadableRow", "fetch_and_verify", "fetch_events", "fetch_verdicts", "format_report", "format_result",
            "run_audit", "verify_events", "verify_export_file"]
 
 PAGE = 1000
@@ -160,16 +160,45 @@ def _read_at(fh: Any, start: int, stop: int) -> bytes:
     return fh.read(stop - start)
 
 
+class UnreadableRow(Exception):
+    """A served event row that is not a row (a field missing or of the wrong type)."""
+
+    def __init__(self, seq: int, problem: str, rows: list[ChainRow]) -> None:
+        super().__init__(f"row {seq}: {problem}")
+        self.seq = seq
+        self.problem = problem
+        self.rows = rows  # the rows read before it
+
+
+def chain_row(e: Any, run_id: str) -> ChainRow:
+    """One served event as a row; ValueError, KeyError, TypeError or AttributeError if it
+    is not one."""
+    row = ChainRow(seq=e["seq"], run_id=run_id, kind=e["kind"], body=body_bytes(e["body"]),
+                   prev_hash=e["prev_hash"], hash=e["hash"], checkpoint=e.get("checkpoint"))
+    if (type(row.seq) is not int or not isinstance(row.kind, str)
+            or not isinstance(row.prev_hash, str) or not isinstance(row.hash, str)
+            or not isinstance(row.checkpoint, str | None)):
+        raise TypeError("a field has the wrong type")
+    return row
+
+
 async def fetch_events(client: LedgerClient, run_id: str) -> list[ChainRow]:
+    """Every event row of the run, in pages; :class:`UnreadableRow` names one that is not."""
     rows: list[ChainRow] = []
     after = -1
     while True:
         page = await client.get_json(f"/v1/runs/{run_id}/events?after={after}&limit={PAGE}")
-        for e in page["events"]:
-            rows.append(ChainRow(seq=e["seq"], run_id=run_id, kind=e["kind"],
-                                 body=e["body"].encode("ascii"), prev_hash=e["prev_hash"],
-                                 hash=e["hash"], checkpoint=e.get("checkpoint")))
-        if len(page["events"]) < PAGE:
+        events = page.get("events") if isinstance(page, dict) else None
+        if not isinstance(events, list):
+            raise UnreadableRow(after + 1, "the ledger served no list of events", rows)
+        for e in events:
+            try:
+                rows.append(chain_row(e, run_id))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                seq = e.get("seq") if isinstance(e, dict) else None
+                raise UnreadableRow(seq if type(seq) is int else after + 1 + len(rows),
+                                    f"cannot read the row as served ({exc!r})", rows) from None
+        if len(events) < PAGE:
             return rows
         after = rows[-1].seq
 
@@ -186,9 +215,19 @@ async def fetch_verdicts(client: LedgerClient, run_id: str) -> list[dict[str, An
 
 async def fetch_and_verify(client: LedgerClient, run_id: str, *, full: bool = False,
                            processes: int | None = None) -> AuditResult:
-    """Live audit: the chain first, then the verdict rows (rounds finalized later are skipped)."""
+    """Live audit: the chain first, then the verdict rows (rounds finalized later are skipped).
+
+    A row the ledger serves in a form that is not a row is named like any other bad row
+    (after the rows before it, which may fail first).
+    """
     ledger_key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
-    rows = await fetch_events(client, run_id)
+    try:
+        rows = await fetch_events(client, run_id)
+    except UnreadableRow as exc:
+        result = verify_events(exc.rows, ledger_key, full=full, processes=processes)
+        if result.ok:
+            result.first_bad_seq, result.problem = exc.seq, exc.problem
+        return result
     views = await fetch_verdicts(client, run_id)
     return verify_events(rows, ledger_key, full=full, views=views, processes=processes)
 
