@@ -60,6 +60,11 @@ def _verdict_json(v: t.Verdict) -> dict[str, Any]:
     }
 
 
+def penalty_json(p: t.Penalty) -> dict[str, Any]:
+    return {"round": p.round, "worker": p.worker, "kind": p.kind, "amount": p.amount,
+            "source_round": p.source_round, "reason": p.reason, "detail": p.detail}
+
+
 def _rejection_json(x: t.Rejection) -> dict[str, Any]:
     return {"round": x.round, "signer": x.signer, "endpoint": x.endpoint, "reason": x.reason,
             "detail": x.detail, "at": x.at}
@@ -85,6 +90,12 @@ def worker_history(s: Session, run_id: str, worker: str, *, offset: int = 0,
     rejected = s.execute(select(func.count()).select_from(t.Verdict).where(
         t.Verdict.run_id == run_id, t.Verdict.worker == worker,
         t.Verdict.status == "rejected")).scalar_one()
+    forfeited = s.execute(select(func.coalesce(func.sum(t.Penalty.amount), 0.0)).where(
+        t.Penalty.run_id == run_id, t.Penalty.worker == worker)).scalar_one()
+    penalties = s.execute(select(t.Penalty).where(
+        t.Penalty.run_id == run_id, t.Penalty.worker == worker)
+        .order_by(t.Penalty.round, t.Penalty.source_round).offset(offset).limit(limit)
+    ).scalars().all()
     return {
         "run_id": run_id,
         "worker": worker,
@@ -94,8 +105,9 @@ def worker_history(s: Session, run_id: str, worker: str, *, offset: int = 0,
         "submissions": [{"round": x.round, "digest": x.digest, "payload_bytes": x.payload_bytes,
                          "received_at": x.received_at} for x in subs],
         "verdicts": [_verdict_json(v) for v in verdicts],
+        "penalties": [penalty_json(p) for p in penalties],
         "totals": {"score": totals[0], "reward": totals[1], "verdicts": totals[2],
-                   "rejected": rejected},
+                   "rejected": rejected, "forfeited": forfeited},
         "offset": offset,
         "limit": limit,
     }
@@ -225,4 +237,5 @@ def beacon(s: Session, run_id: str, r: int) -> dict[str, Any]:
     fixed = decode_canonical(rnd.beacon) if rnd.beacon else None
     return {"run_id": run_id, "round": r, "beacon": fixed,
             "envelopes": beacon_envelopes(s, run_id, r, fixed)}
+
 
