@@ -384,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="demo-out", help="folder for the report, plot and logs")
     d.add_argument("--no-clean-run", action="store_true",
                    help="skip the reference run without cheaters")
+    d.add_argument("--no-undefended", action="store_true",
+                   help="skip the in-process run of the same cheaters with no defence "
+                   "(plain mean, no checks) that the plot compares with")
     d.add_argument("--device", default="cpu")
     d.add_argument("--sharded", action="store_true",
                    help="validators aggregate one coordinate shard each and check the others")
