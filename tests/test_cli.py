@@ -290,3 +290,18 @@ def test_ledger_serve_logs_its_own_lines_only(tmp_path):
         out, _ = proc.communicate(timeout=30)
     assert "listening on http://127.0.0.1:" in out
     assert "alembic" not in out and "INFO" in out
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--workers", "2"], "at least 3 workers"),
+    (["--shard-cheater"], "--shard-cheater needs --sharded"),
+    (["--sharded", "--validators", "2"], "--sharded needs at least 3 validators"),
+    (["--masked-buckets", "3", "--sharded"], "does not combine with --sharded"),
+])
+def test_invalid_demo_options_are_one_line_and_touch_nothing(tmp_path, args, expected):
+    out = tmp_path / "demo-out"
+    out.mkdir()
+    (out / "keep").write_text("an earlier demo's report")
+    result = veritrain("demo", "--out", str(out), *args)
+    assert expected in one_line_failure(result, "demo")
+    assert (out / "keep").read_text() == "an earlier demo's report"

@@ -212,17 +212,12 @@ def summarize(report: dict[str, Any], workers: list[tuple[Path, Identity]],
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    """The demo; its options are checked before anything is written (``--out`` is emptied
+    only then)."""
     n_workers = args.workers
     if n_workers < 3:
         raise SystemExit("the demo needs at least 3 workers (two of them cheat)")
     attacks = {n_workers - 2: CHEATERS[0], n_workers - 1: CHEATERS[1]}
-    organiser = Identity.generate("organiser")
-    validators = _keys(out, "validator", args.validators)
-    workers = _keys(out, "worker", n_workers)
     settings = run_preset(args.preset)
     settings["schedule"]["max_rounds"] = args.rounds
     shard_cheater = None
@@ -255,6 +250,13 @@ def run_demo(args: argparse.Namespace) -> int:
         # early worker never finds itself alone (unmaskable) because the rest registered
         # late, and banned cheaters do not hold the rounds open.
         settings["schedule"]["min_submissions"] = min(args.masked_buckets, n_workers - 2)
+    out = Path(args.out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    organiser = Identity.generate("organiser")
+    validators = _keys(out, "validator", args.validators)
+    workers = _keys(out, "worker", n_workers)
     seed = secrets.token_hex(32)  # one seed for both runs: same data for the same workers
     masking = (f", updates hidden in masked buckets of {args.masked_buckets}"
                if args.masked_buckets else "")
