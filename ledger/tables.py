@@ -141,6 +141,9 @@ def format_worker(data: dict[str, Any]) -> str:
 
 
 def format_report(report: dict[str, Any]) -> str:
+    """The run at a glance (``GET /v1/runs/RUN/report``): a line per round, a line per
+    worker with each rejection's reason, the refusals at the door grouped, and validator
+    faults."""
     lines = [f"run {report['run_id']} ({report['status']})", "",
              "round  status     eval_loss  accepted  rejected  certified model  signers"]
     for r in report["rounds"]:

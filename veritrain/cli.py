@@ -10,7 +10,10 @@ import logging
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from veritrain.protocol.identity import Identity
 
 #: Commands that run a node: they log what they do (INFO). The others print what their
 #: user asked for; library chatter (alembic, matplotlib, aiohttp) and retries only with -v.
@@ -31,7 +34,7 @@ def _setup_logging(verbose: bool, command: str) -> None:
         logging.getLogger("veritrain.client").setLevel(logging.ERROR)
 
 
-def _read_key(path: str) -> Any:
+def _read_key(path: str) -> Identity:
     """The identity in key file ``path``; a one-line SystemExit if it cannot be used."""
     from veritrain.protocol.identity import read_key_file
 
