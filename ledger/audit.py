@@ -20,7 +20,7 @@ from typing import Any
 
 from veritrain.ledger.client import LedgerClient
 
-from .chain import ChainRow
+from .chain import ChainRow, body_bytes
 from .export import (
     ExportError,
     line_ranges,
@@ -30,9 +30,11 @@ from .export import (
     scan_export_chunk,
     verdict_views,
 )
+from .tables import format_report, format_round, format_worker
 from .verify import AuditResult, check_views, fork_pool, gc_paused, verify_log, verify_scans
 
-__all__ = ["AuditResult", "fetch_events", "fetch_verdicts", "format_report", "format_result",
+__all__ = ["AuditResult", "UnreadableRow", "fetch_and_verify", "fetch_events", "fetch_verdicts",
+           "fetch_worker", "format_report", "format_result", "pick_run", "pick_worker",
            "run_audit", "verify_events", "verify_export_file"]
 
 PAGE = 1000
@@ -160,16 +162,45 @@ def _read_at(fh: Any, start: int, stop: int) -> bytes:
     return fh.read(stop - start)
 
 
+class UnreadableRow(Exception):
+    """A served event row that is not a row (a field missing or of the wrong type)."""
+
+    def __init__(self, seq: int, problem: str, rows: list[ChainRow]) -> None:
+        super().__init__(f"row {seq}: {problem}")
+        self.seq = seq
+        self.problem = problem
+        self.rows = rows  # the rows read before it
+
+
+def chain_row(e: Any, run_id: str) -> ChainRow:
+    """One served event as a row; ValueError, KeyError, TypeError or AttributeError if it
+    is not one."""
+    row = ChainRow(seq=e["seq"], run_id=run_id, kind=e["kind"], body=body_bytes(e["body"]),
+                   prev_hash=e["prev_hash"], hash=e["hash"], checkpoint=e.get("checkpoint"))
+    if (type(row.seq) is not int or not isinstance(row.kind, str)
+            or not isinstance(row.prev_hash, str) or not isinstance(row.hash, str)
+            or not isinstance(row.checkpoint, str | None)):
+        raise TypeError("a field has the wrong type")
+    return row
+
+
 async def fetch_events(client: LedgerClient, run_id: str) -> list[ChainRow]:
+    """Every event row of the run, in pages; :class:`UnreadableRow` names one that is not."""
     rows: list[ChainRow] = []
     after = -1
     while True:
         page = await client.get_json(f"/v1/runs/{run_id}/events?after={after}&limit={PAGE}")
-        for e in page["events"]:
-            rows.append(ChainRow(seq=e["seq"], run_id=run_id, kind=e["kind"],
-                                 body=e["body"].encode("ascii"), prev_hash=e["prev_hash"],
-                                 hash=e["hash"], checkpoint=e.get("checkpoint")))
-        if len(page["events"]) < PAGE:
+        events = page.get("events") if isinstance(page, dict) else None
+        if not isinstance(events, list):
+            raise UnreadableRow(after + 1, "the ledger served no list of events", rows)
+        for e in events:
+            try:
+                rows.append(chain_row(e, run_id))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                seq = e.get("seq") if isinstance(e, dict) else None
+                raise UnreadableRow(seq if type(seq) is int else after + 1 + len(rows),
+                                    f"cannot read the row as served ({exc!r})", rows) from None
+        if len(events) < PAGE:
             return rows
         after = rows[-1].seq
 
@@ -186,9 +217,19 @@ async def fetch_verdicts(client: LedgerClient, run_id: str) -> list[dict[str, An
 
 async def fetch_and_verify(client: LedgerClient, run_id: str, *, full: bool = False,
                            processes: int | None = None) -> AuditResult:
-    """Live audit: the chain first, then the verdict rows (rounds finalized later are skipped)."""
+    """Live audit: the chain first, then the verdict rows (rounds finalized later are skipped).
+
+    A row the ledger serves in a form that is not a row is named like any other bad row
+    (after the rows before it, which may fail first).
+    """
     ledger_key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
-    rows = await fetch_events(client, run_id)
+    try:
+        rows = await fetch_events(client, run_id)
+    except UnreadableRow as exc:
+        result = verify_events(exc.rows, ledger_key, full=full, processes=processes)
+        if result.ok:
+            result.first_bad_seq, result.problem = exc.seq, exc.problem
+        return result
     views = await fetch_verdicts(client, run_id)
     return verify_events(rows, ledger_key, full=full, views=views, processes=processes)
 
@@ -206,77 +247,91 @@ def format_result(result: AuditResult) -> str:
             f"{result.certificates} certificates, {result.view_rows} verdict rows match{tail}")
 
 
-def format_report(report: dict[str, Any]) -> str:
-    lines = [f"run {report['run_id']} ({report['status']})", "",
-             "round  status     eval_loss  accepted  rejected  certified model  signers"]
-    for r in report["rounds"]:
-        loss = f"{r['eval_loss']:.4f}" if r["eval_loss"] is not None else "-"
-        signers = ",".join(str(i) for i in r.get("certified_by") or [])
-        lines.append(f"{r['round']:>5}  {r['status']:<9}  {loss:>9}  {r['accepted']:>8}  "
-                     f"{r['rejected']:>8}  {(r.get('model_hash') or '-')[:15]:<15}  {signers}")
-    lines += ["", "worker        accepted  rejected  spot-checked     score    reward  forfeited"
-              "  banned"]
-    for w in report["workers"]:
-        banned = f"until r{w['banned_until_round']}" if w["banned_until_round"] >= 0 else ""
-        lines.append(f"{w['worker'][:12]}  {w['accepted']:>8}  {len(w['rejected']):>8}  "
-                     f"{w['spot_checked']:>12}  {w['score']:>8.0f}  {w['reward']:>8.2f}  "
-                     f"{w.get('forfeited', 0.0):>9.2f}  {banned}")
-        for rej in w["rejected"]:
-            lines.append(f"    round {rej['round']}: {rej['reason']} ({rej['detail']})")
-    if report["rejections"]:
-        lines += ["", "refused at the ledger's door:"]
-        grouped: dict[tuple[str, str], list[Any]] = {}
-        for x in report["rejections"]:
-            grouped.setdefault(((x["signer"] or "?")[:12], x["reason"]), []).append(x)
-        for (who, reason), xs in grouped.items():
-            rounds = sorted({x["round"] for x in xs if x["round"] is not None})
-            where = f"rounds {rounds[0]}-{rounds[-1]}" if len(rounds) > 1 else (
-                f"round {rounds[0]}" if rounds else "no round")
-            lines.append(f"    {who} {reason} x{len(xs)} ({where}): {xs[0]['detail']}")
-    if report.get("validator_faults"):
-        lines += ["", "validators whose result differs from the certificate:"]
-        for f in report["validator_faults"]:
-            lines.append(f"    round {f['round']}: {f['validator'][:12]} signed "
-                         f"{f['result_digest'][:12]}, certified {f['certified_digest'][:12]}")
-    return "\n".join(lines)
-
-
 async def save_export(client: LedgerClient, run_id: str, path: Path) -> None:
     """Download the run's export file (written to a temporary name, then renamed)."""
     tmp = path.with_name(path.name + ".part")
     async with client.session.get(f"{client.base_url}/v1/runs/{run_id}/export") as resp:
         if resp.status != 200:
-            raise SystemExit(f"export refused: HTTP {resp.status} {await resp.text()}")
-        with tmp.open("wb") as fh:
-            async for chunk in resp.content.iter_chunked(1 << 16):
-                fh.write(chunk)
+            raise SystemExit(f"the ledger refused the export of run {run_id!r}: HTTP "
+                             f"{resp.status} {(await resp.text())[:200]}")
+        try:
+            with tmp.open("wb") as fh:
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    fh.write(chunk)
+        except OSError as exc:
+            raise SystemExit(f"cannot write {path}: {exc.strerror or exc}") from None
     tmp.replace(path)
 
 
-async def _pick_run(client: LedgerClient, run_id: str | None) -> str:
-    if run_id:
-        return run_id
-    runs = (await client.get_json("/v1/ledger"))["runs"]
-    if len(runs) != 1:
-        raise SystemExit(f"ledger has {len(runs)} runs; pass --run")
-    return str(runs[0]["run_id"])
+async def pick_run(client: LedgerClient, run_id: str | None) -> str:
+    """The run to audit: ``run_id`` if the ledger has it, else the ledger's only run."""
+    runs = [str(r["run_id"]) for r in (await client.get_json("/v1/ledger"))["runs"]]
+    if run_id is not None and run_id not in runs:
+        raise SystemExit(f"the ledger at {client.base_url} has no run {run_id!r}; its runs: "
+                         f"{', '.join(runs) or 'none yet'}")
+    if run_id is None and len(runs) != 1:
+        raise SystemExit(f"the ledger at {client.base_url} has {len(runs)} runs"
+                         + (f" ({', '.join(runs[:10])}); pass --run" if runs else
+                            "; create one with `veritrain run create`"))
+    return run_id or runs[0]
+
+
+async def pick_worker(client: LedgerClient, run_id: str, prefix: str | None) -> str:
+    """The one worker of the run whose key starts with ``prefix``."""
+    if not prefix:
+        raise SystemExit("audit worker needs a worker key or its first hex digits")
+    prefix = prefix.lower()
+    matches: list[str] = []
+    offset: int | None = 0
+    while offset is not None and len(matches) < 2:
+        page = await client.get_json(f"/v1/runs/{run_id}/scores?offset={offset}&limit={PAGE}")
+        matches += [w["worker"] for w in page["workers"] if w["worker"].startswith(prefix)]
+        offset = page["next_offset"]
+    if not matches:
+        raise SystemExit(f"no worker of run {run_id!r} has a key starting with {prefix!r}; "
+                         "`veritrain audit report` lists them")
+    if len(matches) > 1:
+        raise SystemExit(f"more than one worker of run {run_id!r} has a key starting with "
+                         f"{prefix!r}; give more of the key")
+    return matches[0]
+
+
+async def fetch_worker(client: LedgerClient, run_id: str, worker: str) -> dict[str, Any]:
+    """A worker's whole history, its pages joined."""
+    data: dict[str, Any] = {}
+    offset = 0
+    while True:
+        page = await client.get_json(
+            f"/v1/runs/{run_id}/workers/{worker}?offset={offset}&limit={PAGE}")
+        if not data:
+            data = page
+        else:
+            for key in ("submissions", "verdicts", "penalties"):
+                data[key] += page.get(key, [])
+        if max(len(page.get(k, [])) for k in ("submissions", "verdicts", "penalties")) < PAGE:
+            return data
+        offset += PAGE
 
 
 async def run_audit(args: argparse.Namespace) -> int:
+    """``veritrain audit``: a failure the user can fix is a one-line SystemExit."""
     export = getattr(args, "export", None)
     full = bool(getattr(args, "full", False))
     if export:
         try:
             result = verify_export_file(Path(export), full=full)
-        except (OSError, ExportError) as exc:
-            print(f"FAILED: {exc}")
+        except OSError as exc:
+            print(f"FAILED: cannot read {export}: {exc.strerror or exc}")
+            return 1
+        except ExportError as exc:
+            print(f"FAILED: {export} is not a complete ledger export: {exc}")
             return 1
         print(json.dumps(result.to_json()) if args.json else format_result(result))
         return 0 if result.ok else 1
     if not args.ledger:
         raise SystemExit("audit needs --ledger URL (or --export FILE to verify a file)")
-    async with LedgerClient(args.ledger, retry_for=10.0) as client:
-        run_id = await _pick_run(client, args.run)
+    async with LedgerClient(args.ledger, retry_for=getattr(args, "retry_for", 10.0)) as client:
+        run_id = await pick_run(client, args.run)
         save = getattr(args, "save", None)
         if save:
             await save_export(client, run_id, Path(save))
@@ -292,14 +347,11 @@ async def run_audit(args: argparse.Namespace) -> int:
             return 0
         if args.what == "round":
             if args.arg is None or not args.arg.isdigit():
-                raise SystemExit("audit round needs a round number")
-            data = await client.get_json(f"/v1/runs/{run_id}/rounds/{args.arg}")
-            print(json.dumps(data, indent=1))
+                raise SystemExit("audit round needs a round number, e.g. `audit round 3`")
+            data = await client.get_json(f"/v1/runs/{run_id}/rounds/{int(args.arg)}")
+            print(json.dumps(data, indent=1) if args.json else format_round(data))
             return 0
-        report = await client.get_json(f"/v1/runs/{run_id}/report")
-        matches = [w["worker"] for w in report["workers"] if w["worker"].startswith(args.arg or "")]
-        if len(matches) != 1:
-            raise SystemExit(f"{len(matches)} workers match {args.arg!r}")
-        data = await client.get_json(f"/v1/runs/{run_id}/workers/{matches[0]}")
-        print(json.dumps(data, indent=1))
+        worker = await pick_worker(client, run_id, args.arg)
+        data = await fetch_worker(client, run_id, worker)
+        print(json.dumps(data, indent=1) if args.json else format_worker(data))
         return 0

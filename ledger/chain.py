@@ -54,6 +54,20 @@ def is_valid_checkpoint(ledger_key: bytes, run_id: str, seq: int, event_hash: st
     return verify_ed25519(ledger_key, root, sig)
 
 
+def body_text(body: bytes) -> str:
+    """A row's body as the API and export files carry it: one character per byte (Latin-1).
+
+    A canonical body is ASCII, so this is the body itself; the bytes of a damaged row
+    travel unchanged, so the audit recomputes the hash over what is stored and names it.
+    """
+    return body.decode("latin-1")
+
+
+def body_bytes(text: str) -> bytes:
+    """The bytes :func:`body_text` carried; UnicodeEncodeError above U+00FF."""
+    return text.encode("latin-1")
+
+
 @dataclass(frozen=True, slots=True)
 class ChainRow:
     """One event row as an auditor sees it; ``checkpoint`` is the ledger's signature

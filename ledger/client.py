@@ -18,7 +18,9 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import random
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -42,15 +44,27 @@ T = TypeVar("T")
 class LedgerRefused(Exception):
     """The ledger answered with a client error: retrying will not help."""
 
-    def __init__(self, status: int, reason: str, detail: str) -> None:
-        super().__init__(f"{status} {reason}: {detail}")
+    def __init__(self, status: int, reason: str, detail: str, what: str = "") -> None:
+        super().__init__(status, reason, detail)
         self.status = status
         self.reason = reason
         self.detail = detail
+        self.what = what  # the request refused, e.g. "GET /v1/runs/x/report"
+
+    def __str__(self) -> str:
+        return f"{self.what + ': ' if self.what else ''}{self.status} {self.reason}: {self.detail}"
 
 
 class LedgerUnavailable(Exception):
-    """The ledger stayed unreachable for the whole retry budget."""
+    """The ledger stayed unreachable (or kept failing) for the whole retry budget."""
+
+    def __init__(self, url: str, what: str, cause: str, seconds: float) -> None:
+        super().__init__(f"{what}: no answer from the ledger at {url} for {seconds:.0f}s "
+                         f"({cause})")
+        self.url = url
+        self.what = what
+        self.cause = cause
+        self.seconds = seconds
 
 
 class _Transient(Exception):
@@ -78,6 +92,19 @@ class Traffic:
 
     def to_json(self) -> dict[str, dict[str, int]]:
         return {"up": dict(self.up), "down": dict(self.down)}
+
+
+def _cause(exc: BaseException) -> str:
+    """Why a request failed, in a few words ("connection refused", "timed out")."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        os_error = exc.os_error
+        if isinstance(os_error, socket.gaierror):
+            return f"cannot resolve {exc.host}: {os_error.strerror}"
+        if os_error.errno:
+            return os.strerror(os_error.errno).lower()
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return str(exc) or type(exc).__name__
 
 
 class LedgerClient:
@@ -110,9 +137,13 @@ class LedgerClient:
         while True:
             try:
                 return await attempt()
+            except LedgerRefused as exc:
+                exc.what = exc.what or what
+                raise
             except (TimeoutError, aiohttp.ClientConnectionError, _Transient) as exc:
                 if time.monotonic() + delay > deadline:
-                    raise LedgerUnavailable(f"{what}: ledger unreachable ({exc})") from exc
+                    raise LedgerUnavailable(self.base_url, what, _cause(exc),
+                                            self.retry_for) from exc
                 log.warning("%s failed (%s); retrying in %.1fs", what, exc, delay)
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, self.backoff_max)
@@ -123,7 +154,7 @@ class LedgerClient:
             return
         text = await resp.text()
         if resp.status == 429 or resp.status >= 500:
-            raise _Transient(f"HTTP {resp.status}")
+            raise _Transient(f"it answered HTTP {resp.status}")
         try:
             body = json.loads(text)
             raise LedgerRefused(resp.status, str(body.get("reason")), str(body.get("detail")))

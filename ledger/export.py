@@ -28,7 +28,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from . import schema as t
-from .chain import ChainRow
+from .chain import ChainRow, body_bytes, body_text
 from .lists import VerdictFilter, iter_verdicts
 from .store import NotFound
 from .verify import Columns, Scan, Scanner, gc_paused
@@ -56,7 +56,7 @@ def events_with_checkpoints(s: Session, run_id: str, after: int, limit: int,
     if upto is not None:
         q = q.where(t.Event.seq <= upto)
     return [{"seq": e.seq, "kind": e.kind, "prev_hash": e.prev_hash, "hash": e.hash,
-             "checkpoint": sig, "body": e.body.decode("ascii")}
+             "checkpoint": sig, "body": body_text(e.body)}
             for e, sig in s.execute(q.order_by(t.Event.seq).limit(limit)).all()]
 
 
@@ -94,11 +94,23 @@ def export_lines(s: Session, run_id: str, ledger_key: str) -> Iterator[bytes]:
 
 
 def last_finalized_round(s: Session, run_id: str, upto: int) -> int | None:
-    """The last round whose round_finalized row is at or before ``seq = upto``."""
-    body = s.execute(select(t.Event.body).where(
-        t.Event.run_id == run_id, t.Event.kind == "round_finalized", t.Event.seq <= upto)
-        .order_by(t.Event.seq.desc()).limit(1)).scalar()
-    return None if body is None else int(json.loads(body)["round"])
+    """The last round whose round_finalized row is at or before ``seq = upto``.
+
+    A damaged row (one that no longer parses) is passed over: the export still serves
+    it, and the audit of the file names it.
+    """
+    while True:
+        rows = s.execute(select(t.Event.seq, t.Event.body).where(
+            t.Event.run_id == run_id, t.Event.kind == "round_finalized", t.Event.seq <= upto)
+            .order_by(t.Event.seq.desc()).limit(16)).all()
+        if not rows:
+            return None
+        for _, body in rows:
+            try:
+                return int(json.loads(body)["round"])
+            except (ValueError, KeyError, TypeError):
+                continue
+        upto = rows[-1][0] - 1
 
 
 @dataclass
@@ -146,7 +158,7 @@ def read_export(lines: Iterable[bytes | str]) -> ExportedRun:
             obj = loads(raw)
             kind = obj["type"]
             if kind == "event":
-                append(ChainRow(obj["seq"], run_id, obj["kind"], obj["body"].encode("ascii"),
+                append(ChainRow(obj["seq"], run_id, obj["kind"], body_bytes(obj["body"]),
                                 obj["prev_hash"], obj["hash"], obj["checkpoint"]))
             elif kind == "verdict":
                 del obj["type"]
@@ -230,7 +242,7 @@ def _blocks(fh: Any, start: int, stop: int) -> Iterator[tuple[int, bytes]]:
 
 def _event_row(obj: Any, run_id: str) -> ChainRow:
     """An event line's row, as read_export builds it."""
-    return ChainRow(obj["seq"], run_id, obj["kind"], obj["body"].encode("ascii"),
+    return ChainRow(obj["seq"], run_id, obj["kind"], body_bytes(obj["body"]),
                     obj["prev_hash"], obj["hash"], obj["checkpoint"])
 
 
@@ -276,7 +288,7 @@ def _scan_chunk(path: str, start: int, stop: int, run_id: str) -> ChunkScan:
                     obj, end = decode(text, p)
                     if end != nl or obj["type"] != "event":
                         raise ValueError("not an event line")
-                    body = obj["body"].encode("ascii")
+                    body = obj["body"].encode("latin-1")  # body_bytes, inlined (hot loop)
                     add_seq(obj["seq"])
                     add_kind(obj["kind"])
                     add_prev(obj["prev_hash"])

@@ -265,10 +265,12 @@ def _paths() -> dict[str, Any]:
                                                  "type": "string", "format": "binary"}}}},
                                              **problems(403, 404)})},
         run + "/workers/{worker}": {"get": op(
-            "one worker's submissions, verdicts and totals", [RUN, WORKER_PATH, *PAGING],
+            "one worker's submissions, verdicts, penalties and totals",
+            [RUN, WORKER_PATH, *PAGING],
             {**ok(obj({"run_id": STR, "worker": STR, "role": STR, "registered_round": INT,
                        "banned_until_round": INT, "submissions": arr(OBJ),
-                       "verdicts": arr(OBJ), "totals": OBJ, "offset": INT, "limit": INT})),
+                       "verdicts": arr(OBJ), "penalties": arr(OBJ), "totals": OBJ,
+                       "offset": INT, "limit": INT})),
              **problems(404)})},
         run + "/report": {"get": op("the run at a glance", [RUN], {**ok(obj({
             "run_id": STR, "status": STR, "rounds": arr(OBJ), "workers": arr(OBJ),
@@ -314,6 +316,13 @@ def _paths() -> dict[str, Any]:
         "/": {"get": op("web page: the runs", [], html, tag="web")},
         "/runs/{run_id}": {"get": op("web page: one run at a glance", [RUN],
                                      {**html, **problems(404)}, tag="web")},
+        "/runs/{run_id}/rounds/{round}": {"get": op(
+            "web page: one round, its verdicts with reasons and evidence, 100 a page",
+            [RUN, ROUND, PAGING[0]], {**html, **problems(404)}, tag="web")},
+        "/runs/{run_id}/workers/{worker}": {"get": op(
+            "web page: one worker round by round, with its penalties, 100 rounds a page",
+            [RUN, {**WORKER_PATH, "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}},
+             PAGING[0]], {**html, **problems(404)}, tag="web")},
         "/static/{name}": {"get": op("the web page's static files",
                                      [{"name": "name", "in": "path", "required": True,
                                        "schema": STR}],

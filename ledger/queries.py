@@ -11,6 +11,7 @@ from veritrain.protocol.encoding import decode_canonical
 
 from . import schema as t
 from .export import events_with_checkpoints
+from .lists import totals_page
 from .store import MAX_RESULT_BYTES, NotFound, beacon_envelopes
 
 MAX_PAGE = 1000
@@ -60,6 +61,11 @@ def _verdict_json(v: t.Verdict) -> dict[str, Any]:
     }
 
 
+def penalty_json(p: t.Penalty) -> dict[str, Any]:
+    return {"round": p.round, "worker": p.worker, "kind": p.kind, "amount": p.amount,
+            "source_round": p.source_round, "reason": p.reason, "detail": p.detail}
+
+
 def _rejection_json(x: t.Rejection) -> dict[str, Any]:
     return {"round": x.round, "signer": x.signer, "endpoint": x.endpoint, "reason": x.reason,
             "detail": x.detail, "at": x.at}
@@ -85,6 +91,12 @@ def worker_history(s: Session, run_id: str, worker: str, *, offset: int = 0,
     rejected = s.execute(select(func.count()).select_from(t.Verdict).where(
         t.Verdict.run_id == run_id, t.Verdict.worker == worker,
         t.Verdict.status == "rejected")).scalar_one()
+    forfeited = s.execute(select(func.coalesce(func.sum(t.Penalty.amount), 0.0)).where(
+        t.Penalty.run_id == run_id, t.Penalty.worker == worker)).scalar_one()
+    penalties = s.execute(select(t.Penalty).where(
+        t.Penalty.run_id == run_id, t.Penalty.worker == worker)
+        .order_by(t.Penalty.round, t.Penalty.source_round).offset(offset).limit(limit)
+    ).scalars().all()
     return {
         "run_id": run_id,
         "worker": worker,
@@ -94,8 +106,9 @@ def worker_history(s: Session, run_id: str, worker: str, *, offset: int = 0,
         "submissions": [{"round": x.round, "digest": x.digest, "payload_bytes": x.payload_bytes,
                          "received_at": x.received_at} for x in subs],
         "verdicts": [_verdict_json(v) for v in verdicts],
+        "penalties": [penalty_json(p) for p in penalties],
         "totals": {"score": totals[0], "reward": totals[1], "verdicts": totals[2],
-                   "rejected": rejected},
+                   "rejected": rejected, "forfeited": forfeited},
         "offset": offset,
         "limit": limit,
     }
@@ -226,3 +239,84 @@ def beacon(s: Session, run_id: str, r: int) -> dict[str, Any]:
     return {"run_id": run_id, "round": r, "beacon": fixed,
             "envelopes": beacon_envelopes(s, run_id, r, fixed)}
 
+
+
+# ----------------------------------------------------------------------------- web pages
+# The round and worker pages (web_page.py): one page of rows each, never a whole table.
+
+PAGE_ROWS = 100
+DOOR_ROWS = 50
+
+
+def _challenged(s: Session, run_id: str, pairs: list[tuple[int, str]]) -> dict[tuple[int, str],
+                                                                           list[int]]:
+    """The segments each (round, worker) was challenged to reveal."""
+    if not pairs:
+        return {}
+    rounds, workers = {r for r, _ in pairs}, {w for _, w in pairs}
+    rows = s.execute(select(t.ChallengeRow).where(
+        t.ChallengeRow.run_id == run_id, t.ChallengeRow.round.in_(rounds),
+        t.ChallengeRow.worker.in_(workers))).scalars().all()
+    return {(c.round, c.worker): json.loads(c.segments) for c in rows
+            if (c.round, c.worker) in set(pairs)}
+
+
+def round_page(s: Session, run_id: str, r: int, *, offset: int = 0,
+               limit: int = PAGE_ROWS) -> dict[str, Any]:
+    """One round at a glance: its certificate and times (:func:`round_info`), verdict
+    counts, one page of verdicts with their segment checks and challenged segments, the
+    penalties and validator faults it recorded, and the first refusals at the door."""
+    offset, limit = max(0, offset), max(1, min(limit, MAX_PAGE))
+    info = round_info(s, run_id, r, 0.0)
+    del info["now"]
+    last = s.execute(select(func.max(t.Round.round)).where(t.Round.run_id == run_id)).scalar()
+    counts = dict(s.execute(select(t.Verdict.status, func.count()).where(
+        t.Verdict.run_id == run_id, t.Verdict.round == r).group_by(t.Verdict.status)).all())
+    paid = s.execute(select(func.coalesce(func.sum(t.Verdict.reward), 0.0)).where(
+        t.Verdict.run_id == run_id, t.Verdict.round == r)).scalar_one()
+    verdicts = s.execute(select(t.Verdict).where(t.Verdict.run_id == run_id,
+                                                 t.Verdict.round == r)
+                         .order_by(t.Verdict.worker).offset(offset).limit(limit)).scalars().all()
+    challenged = _challenged(s, run_id, [(r, v.worker) for v in verdicts])
+    penalties = s.execute(select(t.Penalty).where(t.Penalty.run_id == run_id,
+                                                  t.Penalty.round == r)
+                          .order_by(t.Penalty.worker, t.Penalty.source_round)
+                          .limit(MAX_PAGE)).scalars().all()
+    faults = s.execute(select(t.ValidatorFault).where(
+        t.ValidatorFault.run_id == run_id, t.ValidatorFault.round == r)
+        .order_by(t.ValidatorFault.validator)).scalars().all()
+    door = s.execute(select(func.count()).select_from(t.Rejection).where(
+        t.Rejection.run_id == run_id, t.Rejection.round == r)).scalar_one()
+    refusals = s.execute(select(t.Rejection).where(t.Rejection.run_id == run_id,
+                                                   t.Rejection.round == r)
+                         .order_by(t.Rejection.id).limit(DOOR_ROWS)).scalars().all()
+    return {**info, "last_round": last,
+            "accepted": counts.get("accepted", 0), "rejected": counts.get("rejected", 0),
+            "rewards_paid": paid,
+            "verdicts": [{**_verdict_json(v), "challenged": challenged.get((r, v.worker), [])}
+                         for v in verdicts],
+            "offset": offset, "limit": limit,
+            "next_offset": offset + limit if len(verdicts) == limit else None,
+            "penalties": [penalty_json(p) for p in penalties],
+            "validator_faults": [{"validator": f.validator, "result_digest": f.result_digest,
+                                  "certified_digest": f.certified_digest} for f in faults],
+            "door_rejections": door, "rejections": [_rejection_json(x) for x in refusals]}
+
+
+def worker_page(s: Session, run_id: str, worker: str, *, offset: int = 0,
+                limit: int = PAGE_ROWS) -> dict[str, Any]:
+    """One worker at a glance: its totals over the run, and one page of its rounds (the
+    submission, the verdict with its segment checks and challenged segments) and of its
+    penalties (:func:`worker_history`)."""
+    offset, limit = max(0, offset), max(1, min(limit, MAX_PAGE))
+    history = worker_history(s, run_id, worker, offset=offset, limit=limit)
+    totals = totals_page(s, run_id, worker, 0, 1)["workers"]
+    challenged = _challenged(s, run_id, [(v["round"], worker) for v in history["verdicts"]])
+    for v in history["verdicts"]:
+        v["challenged"] = challenged.get((v["round"], worker), [])
+    run = s.get(t.Run, run_id)
+    assert run is not None  # worker_history found its participant
+    page_full = max(len(history["submissions"]), len(history["verdicts"])) == history["limit"]
+    return {**history, "run_status": run.status,
+            "summary": totals[0] if totals else None,
+            "next_offset": offset + history["limit"] if page_full else None}

@@ -18,9 +18,30 @@ from sqlalchemy import (
     LargeBinary,
     String,
     Text,
+    TypeDecorator,
     UniqueConstraint,
+    cast,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.sql.elements import ColumnElement
+
+
+class StoredBytes(TypeDecorator[bytes]):
+    """A binary column that reads back as ``bytes`` whatever the database holds in it.
+
+    SQLite keeps any value in any column: ``UPDATE events SET body = replace(body, ...)``
+    leaves TEXT where a BLOB was, which the driver returns as ``str`` (or fails to decode
+    as UTF-8). Every SELECT of such a column reads ``CAST(col AS BLOB)`` instead, the
+    stored bytes as they are, so a damaged row is served as what it holds and an audit
+    names it (its hash no longer matches) rather than the server failing on it.
+    PostgreSQL's ``bytea`` holds bytes only; the cast is a no-op there.
+    """
+
+    impl = LargeBinary
+    cache_ok = True
+
+    def column_expression(self, column: ColumnElement[bytes]) -> ColumnElement[bytes]:
+        return cast(column, LargeBinary)
 
 
 class Base(DeclarativeBase):
@@ -31,7 +52,7 @@ class Run(Base):
     __tablename__ = "runs"
     run_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     organiser: Mapped[str] = mapped_column(String(64))
-    spec: Mapped[bytes] = mapped_column(LargeBinary)  # canonical signed RunSpec
+    spec: Mapped[bytes] = mapped_column(StoredBytes)  # canonical signed RunSpec
     created_at: Mapped[float] = mapped_column(Float)
     status: Mapped[str] = mapped_column(String(16), default="active")
 
@@ -46,7 +67,7 @@ class Participant(Base):
     registered_at: Mapped[float] = mapped_column(Float)
     registered_round: Mapped[int] = mapped_column(Integer)
     banned_until_round: Mapped[int] = mapped_column(Integer, default=-1)
-    registration: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    registration: Mapped[bytes | None] = mapped_column(StoredBytes, nullable=True)
 
 
 class Round(Base):
@@ -61,8 +82,8 @@ class Round(Base):
     extensions: Mapped[int] = mapped_column(Integer, default=0)
     closed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     finalized_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-    certificate: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
-    beacon: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    certificate: Mapped[bytes | None] = mapped_column(StoredBytes, nullable=True)
+    beacon: Mapped[bytes | None] = mapped_column(StoredBytes, nullable=True)
     reveal_deadline: Mapped[float | None] = mapped_column(Float, nullable=True)
     eval_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
 
@@ -78,12 +99,12 @@ class Submission(Base):
     round: Mapped[int] = mapped_column(Integer)
     worker: Mapped[str] = mapped_column(String(64))
     digest: Mapped[str] = mapped_column(String(64))  # unique: it names (run, round, worker)
-    envelope: Mapped[bytes] = mapped_column(LargeBinary)  # canonical signed Submission
+    envelope: Mapped[bytes] = mapped_column(StoredBytes)  # canonical signed Submission
     payload_hash: Mapped[str] = mapped_column(String(64))
     payload_bytes: Mapped[int] = mapped_column(BigInteger)
     samples: Mapped[int] = mapped_column(BigInteger)
     received_at: Mapped[float] = mapped_column(Float)
-    receipt: Mapped[bytes] = mapped_column(LargeBinary)  # canonical signed Receipt
+    receipt: Mapped[bytes] = mapped_column(StoredBytes)  # canonical signed Receipt
 
 
 class BeaconShareRow(Base):
@@ -95,7 +116,7 @@ class BeaconShareRow(Base):
     validator_index: Mapped[int] = mapped_column(Integer)
     share: Mapped[str] = mapped_column(String(192))
     #: The signed BeaconShare (None for shares stored before migration 0007).
-    envelope: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    envelope: Mapped[bytes | None] = mapped_column(StoredBytes, nullable=True)
 
 
 class RoundResultRow(Base):
@@ -106,7 +127,7 @@ class RoundResultRow(Base):
     round: Mapped[int] = mapped_column(Integer)
     validator: Mapped[str] = mapped_column(String(64))
     certified_digest: Mapped[str] = mapped_column(String(64))
-    body: Mapped[bytes] = mapped_column(LargeBinary)  # canonical signed RoundResult
+    body: Mapped[bytes] = mapped_column(StoredBytes)  # canonical signed RoundResult
     received_at: Mapped[float] = mapped_column(Float)
 
 
@@ -169,7 +190,7 @@ class Event(Base):
     run_id: Mapped[str] = mapped_column(String(64))
     seq: Mapped[int] = mapped_column(Integer)
     kind: Mapped[str] = mapped_column(String(32))
-    body: Mapped[bytes] = mapped_column(LargeBinary)
+    body: Mapped[bytes] = mapped_column(StoredBytes)
     prev_hash: Mapped[str] = mapped_column(String(64))
     hash: Mapped[str] = mapped_column(String(64))  # unique: it commits to (run, seq)
 
@@ -263,7 +284,7 @@ class ShardMessage(Base):
     validator_index: Mapped[int] = mapped_column(Integer)
     shard: Mapped[int] = mapped_column(Integer)
     digest: Mapped[str] = mapped_column(String(64))
-    body: Mapped[bytes] = mapped_column(LargeBinary)
+    body: Mapped[bytes] = mapped_column(StoredBytes)
     received_at: Mapped[float] = mapped_column(Float)
 
 
@@ -286,5 +307,5 @@ class SecaggMessage(Base):
     sender: Mapped[str] = mapped_column(String(64))
     bucket: Mapped[int] = mapped_column(Integer)
     digest: Mapped[str] = mapped_column(String(64))
-    body: Mapped[bytes] = mapped_column(LargeBinary)
+    body: Mapped[bytes] = mapped_column(StoredBytes)
     received_at: Mapped[float] = mapped_column(Float)

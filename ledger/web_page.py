@@ -1,8 +1,11 @@
-"""The ledger's web page: the runs (``/``) and one run at a glance (``/runs/{run_id}``).
+"""The ledger's web site: the runs (``/``), one run at a glance (``/runs/{run_id}``),
+and a page per round and per worker (``/runs/{run_id}/rounds/{r}``,
+``/runs/{run_id}/workers/{key}``: detail_pages.py) linked from it.
 
 Server-rendered HTML with inline SVG charts (charts.py) and one local
 stylesheet and script from ``ledger/static/``: nothing is loaded from
-elsewhere. The numbers come from the same views as the audit API.
+elsewhere. The numbers come from the same views as the audit API; every list
+is one page of rows.
 """
 
 from __future__ import annotations
@@ -15,16 +18,19 @@ from typing import Any
 from aiohttp import web
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
-from veritrain.protocol.errors import RejectedInput
+from veritrain.protocol.errors import EncodingError, RejectedInput
 
 from . import lists, queries
 from . import schema as t
-from .api_base import LEDGER
+from .api_base import LEDGER, int_param, path_round
 from .charts import loss_chart, verdict_chart
+from .detail_pages import render_round, render_worker
+from .html_layout import cards, html_response, page, round_link, status_tag, worker_link
 
 STATIC = Path(__file__).resolve().parent / "static"
 STATIC_TYPES = {".css": "text/css", ".js": "text/javascript"}
 WORKERS_SHOWN = 200
+ROUNDS_SHOWN = 100
 routes = web.RouteTableDef()
 
 
@@ -50,26 +56,15 @@ def page_data(s: Session, run_id: str) -> dict[str, Any]:
         t.Checkpoint.run_id == run_id)).scalar()
     door = s.execute(select(func.count()).select_from(t.Rejection).where(
         t.Rejection.run_id == run_id)).scalar_one()
+    reasons = [{"reason": reason, "count": int(n), "workers": int(w), "first_round": lo,
+                "last_round": hi} for reason, n, w, lo, hi in s.execute(
+        select(t.Verdict.reason, func.count(), func.count(t.Verdict.worker.distinct()),
+               func.min(t.Verdict.round), func.max(t.Verdict.round))
+        .where(t.Verdict.run_id == run_id, t.Verdict.status == "rejected")
+        .group_by(t.Verdict.reason).order_by(func.count().desc(), t.Verdict.reason)).all()]
     return {"run_id": run_id, "status": run.status, "rounds": rounds, "workers": workers,
             "n_workers": n_workers, "chain_rows": 0 if events is None else events + 1,
-            "checkpoint": checkpoint, "door_rejections": door}
-
-
-def _short(key: str) -> str:
-    return escape(key[:12]) + "&hellip;"
-
-
-def _page(title: str, body: str, refresh: bool = False) -> str:
-    refresh_attr = ' data-refresh="15"' if refresh else ""
-    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>{escape(title)}</title>"
-            "<link rel=\"stylesheet\" href=\"/static/style.css\">"
-            "<script src=\"/static/page.js\" defer></script></head>"
-            f"<body{refresh_attr}>"
-            "<header><a class=\"brand\" href=\"/\">veritrain ledger</a>"
-            "<nav><a href=\"/openapi.json\">API</a> <a href=\"/metrics\">metrics</a></nav>"
-            f"</header><main>{body}</main></body></html>")
+            "checkpoint": checkpoint, "door_rejections": door, "reasons": reasons}
 
 
 def render_run(d: dict[str, Any]) -> str:
@@ -79,7 +74,7 @@ def render_run(d: dict[str, Any]) -> str:
     verdicts = [(r["round"], r["accepted"], r["rejected"]) for r in rounds
                 if r["accepted"] or r["rejected"]]
     total_reward = sum(w["reward"] for w in d["workers"])
-    cards = [("status", escape(d["status"])), ("rounds finalized", str(len(final))),
+    figures = [("status", escape(d["status"])), ("rounds finalized", str(len(final))),
              ("workers", str(d["n_workers"])),
              ("last eval loss", f"{losses[-1][1]:.4f}" if losses else "&ndash;"),
              ("rewards paid", f"{total_reward:.2f}"),
@@ -87,9 +82,6 @@ def render_run(d: dict[str, Any]) -> str:
              ("chain rows", str(d["chain_rows"])),
              ("last checkpoint", "&ndash;" if d["checkpoint"] is None
               else f"row {d['checkpoint']}")]
-    card_html = "".join(f'<div class="card"><div class="label">{k}</div>'
-                        f'<div class="value" data-card="{escape(k)}">{v}</div></div>'
-                        for k, v in cards)
     top = max((w["reward"] for w in d["workers"]), default=0.0) or 1.0
     rows = []
     for w in d["workers"]:
@@ -97,7 +89,7 @@ def render_run(d: dict[str, Any]) -> str:
                   if w["banned_until_round"] >= 0 else "")
         rows.append(
             f'<tr class="worker" data-worker="{escape(w["worker"])}">'
-            f'<td class="key" title="{escape(w["worker"])}">{_short(w["worker"])}</td>'
+            f'<td class="key">{worker_link(d["run_id"], w["worker"])}</td>'
             f'<td class="num">{w["accepted"]}</td><td class="num">{w["rejected"]}</td>'
             f'<td class="num">{w["spot_checked"]}</td>'
             f'<td class="num penalties">{w["penalties"]} {banned}</td>'
@@ -109,13 +101,13 @@ def render_run(d: dict[str, Any]) -> str:
             f'all of them: <a href="/v1/runs/{escape(d["run_id"])}/scores.csv">scores.csv</a>'
             "</p>" if d["n_workers"] > len(d["workers"]) else "")
     run = escape(d["run_id"])
-    body = (f'<h1>Run <span class="run-id">{run}</span></h1>'
-            f'<section class="cards">{card_html}</section>'
+    body = (f'<h1>Run <span class="run-id">{run}</span></h1>{cards(figures)}'
             f'<section class="charts">{loss_chart(losses)}{verdict_chart(verdicts)}</section>'
+            f"{_reasons_table(d)}"
             '<section><h2>Workers</h2><table class="workers"><thead><tr><th>worker</th>'
             "<th>accepted</th><th>rejected</th><th>spot-checked</th><th>penalties</th>"
             "<th>verified samples</th><th>score</th><th>reward</th><th>share</th></tr></thead>"
-            f'<tbody>{"".join(rows)}</tbody></table>{more}</section>'
+            f'<tbody>{"".join(rows)}</tbody></table>{more}</section>{_rounds_table(d)}'
             f'<section class="downloads"><h2>Audit it yourself</h2><ul>'
             f'<li><a href="/v1/runs/{run}/export">signed export (JSON lines)</a>: '
             f"<code>veritrain audit verify --export FILE</code></li>"
@@ -123,7 +115,41 @@ def render_run(d: dict[str, Any]) -> str:
             f'<a href="/v1/runs/{run}/verdicts.json">verdicts.json</a>, '
             f'<a href="/v1/runs/{run}/scores.csv">scores.csv</a>, '
             f'<a href="/v1/runs/{run}/scores.json">scores.json</a></li></ul></section>')
-    return _page(f"veritrain run {d['run_id']}", body, refresh=d["status"] == "active")
+    return page(f"veritrain run {d['run_id']}", body, refresh=d["status"] == "active")
+
+
+def _rounds_table(d: dict[str, Any]) -> str:
+    """The newest rounds, each linked to its page."""
+    shown = d["rounds"][::-1][:ROUNDS_SHOWN]
+    if not shown:
+        return ""
+    rows = "".join(
+        f'<tr class="round" data-round="{r["round"]}"><td>{round_link(d["run_id"], r["round"])}'
+        f'</td><td>{status_tag(r["status"])}</td><td class="num">'
+        f'{"&ndash;" if r["eval_loss"] is None else format(r["eval_loss"], ".4f")}</td>'
+        f'<td class="num">{r["accepted"]}</td><td class="num">{r["rejected"]}</td></tr>'
+        for r in shown)
+    more = (f'<p class="note">The newest {len(shown)} of {len(d["rounds"])} rounds; every '
+            f'round has its page at /runs/{escape(d["run_id"])}/rounds/R.</p>'
+            if len(d["rounds"]) > len(shown) else "")
+    return ('<section><h2>Rounds</h2><table class="data rounds"><thead><tr><th>round</th>'
+            "<th>status</th><th>eval loss</th><th>accepted</th><th>rejected</th></tr></thead>"
+            f"<tbody>{rows}</tbody></table>{more}</section>")
+
+
+def _reasons_table(d: dict[str, Any]) -> str:
+    """Why submissions were rejected: each reason, how often, whom and when."""
+    if not d["reasons"]:
+        return ""
+    rows = "".join(
+        f'<tr class="reject-reason" data-reason="{escape(x["reason"])}">'
+        f'<td class="reason">{escape(x["reason"])}</td><td class="num">{x["count"]}</td>'
+        f'<td class="num">{x["workers"]}</td><td>{round_link(d["run_id"], x["first_round"])}'
+        f' &ndash; {round_link(d["run_id"], x["last_round"])}</td></tr>' for x in d["reasons"])
+    return ('<section><h2>Why submissions were rejected</h2><table class="data reasons">'
+            "<thead><tr><th>reason</th><th>submissions</th><th>workers</th><th>rounds</th>"
+            f"</tr></thead><tbody>{rows}</tbody></table><p class=\"note\">Each round's page "
+            "gives every verdict's reason and the evidence of its spot checks.</p></section>")
 
 
 def render_index(runs: list[dict[str, Any]]) -> str:
@@ -132,23 +158,45 @@ def render_index(runs: list[dict[str, Any]]) -> str:
                     f"</li>" for r in runs)
     body = ("<h1>Runs</h1>" + (f'<ul class="runs">{items}</ul>' if runs
                                else "<p>No run on this ledger yet.</p>"))
-    return _page("veritrain ledger", body)
-
-
-def _html(text: str) -> web.Response:
-    return web.Response(text=text, content_type="text/html", charset="utf-8")
+    return page("veritrain ledger", body)
 
 
 @routes.get("/")
 async def index(request: web.Request) -> web.Response:
     ledger = request.app[LEDGER]
-    return _html(render_index(await ledger.read(queries.list_runs)))
+    return html_response(render_index(await ledger.read(queries.list_runs)))
 
 
 @routes.get("/runs/{run_id}")
 async def run_page(request: web.Request) -> web.Response:
     ledger = request.app[LEDGER]
-    return _html(render_run(await ledger.read(page_data, request.match_info["run_id"])))
+    return html_response(render_run(await ledger.read(page_data, request.match_info["run_id"])))
+
+
+@routes.get("/runs/{run_id}/rounds/{round}")
+async def round_page(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    r, offset = path_round(request), _offset(request)
+    return html_response(render_round(await ledger.read(
+        lambda s: queries.round_page(s, request.match_info["run_id"], r, offset=offset))))
+
+
+@routes.get("/runs/{run_id}/workers/{worker}")
+async def worker_page(request: web.Request) -> web.Response:
+    ledger = request.app[LEDGER]
+    worker, offset = request.match_info["worker"], _offset(request)
+    if not re.fullmatch(r"[0-9a-f]{64}", worker):
+        raise EncodingError("a worker is named by its whole key: 64 lowercase hex digits")
+    return html_response(render_worker(await ledger.read(
+        lambda s: queries.worker_page(s, request.match_info["run_id"], worker,
+                                      offset=offset))))
+
+
+def _offset(request: web.Request) -> int:
+    offset = int_param(request, "offset", 0) or 0
+    if offset < 0:
+        raise EncodingError("offset must be >= 0")
+    return offset
 
 
 @routes.get("/static/{name}")

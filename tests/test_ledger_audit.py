@@ -133,6 +133,97 @@ def test_invalid_row_edited_in_the_sqlite_file_is_named_by_audit_verify(tmp_path
     assert "hash does not match" in report["problem"]
 
 
+def _served_and_audited(tmp_path, db, identity):
+    """What the ledger serves from ``db`` (status of each read) and what the audit finds,
+    live and offline on the export it serves."""
+
+    async def scenario(api):
+        import asyncio
+
+        statuses = {}
+        for path in (f"/v1/runs/{RUN}/events?after=-1&limit=1000", f"/v1/runs/{RUN}/report",
+                     f"/runs/{RUN}", f"/v1/runs/{RUN}/export"):
+            async with api.session.get(api.url + path) as resp:
+                statuses[path.split("?")[0]] = resp.status
+                body = await resp.read()
+        (tmp_path / "served.jsonl").write_bytes(body)
+        live = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: audit_cli(ledger=api.url))
+        return statuses, live
+
+    statuses, live = run_api(tmp_path, scenario, db_url=f"sqlite:///{db}", identity=identity)
+    return statuses, live, audit_cli(export=str(tmp_path / "served.jsonl"))
+
+
+@pytest.mark.parametrize("replacement", ["'\"received_At\":'",  # still ASCII
+                                         "'\"received_at\":' || char(233)",  # UTF-8 text
+                                         "'\"received_at\":' || CAST(X'FF' AS TEXT)"])
+def test_invalid_body_rewritten_as_text_by_sqlite_replace_is_named(tmp_path, replacement):
+    """``replace()`` in sqlite3 stores the body back as TEXT (the issue's case: the ledger
+    answered 500 on it); the ledger serves the stored bytes as they are, and the audit,
+    live and on the export, names the row."""
+    db, identity = copy_db(tmp_path)
+    target = rows_of(db)[first(rows_of(db), "receipt", 1)]
+    with sqlite3.connect(db) as conn:
+        conn.execute(f"UPDATE events SET body = replace(body, '\"received_at\":', "
+                     f"{replacement}) WHERE run_id = ? AND seq = ?", (RUN, target.seq))
+        assert conn.execute("SELECT typeof(body) FROM events WHERE run_id = ? AND seq = ?",
+                            (RUN, target.seq)).fetchone() == ("text",)
+    statuses, (rc, live), (rc_file, offline) = _served_and_audited(tmp_path, db, identity)
+    assert set(statuses.values()) == {200}, statuses
+    for code, report in ((rc, live), (rc_file, offline)):
+        assert code == 1 and report["first_bad_seq"] == target.seq, report
+        assert "hash does not match" in report["problem"]
+
+
+def test_bodies_stored_as_text_with_unchanged_bytes_still_verify(tmp_path):
+    """A replace() that matches nothing leaves every body as TEXT with the same bytes: the
+    rows read back as the same bytes, so the chain still verifies."""
+    db, identity = copy_db(tmp_path)
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE events SET body = replace(body, 'no such text', '')")
+        assert conn.execute("SELECT count(*) FROM events WHERE typeof(body) = 'blob'"
+                            ).fetchone() == (0,)
+    statuses, (rc, live), (rc_file, offline) = _served_and_audited(tmp_path, db, identity)
+    assert set(statuses.values()) == {200}, statuses
+    assert rc == 0 and live["ok"] and rc_file == 0 and offline["ok"]
+
+
+class ServedRows:
+    """A ledger client that serves the given event dicts (one page) and no verdicts."""
+
+    def __init__(self, events, ledger_key: bytes) -> None:
+        self.events, self.key = events, ledger_key
+
+    async def get_json(self, path):
+        if path == "/v1/ledger":
+            return {"ledger_key": self.key.hex()}
+        if "/events" in path:
+            return {"events": self.events if "after=-1&" in path else []}
+        return {"verdicts": [], "next_offset": None}
+
+
+@pytest.mark.parametrize("damage", [
+    lambda e: e.update(body="\u0100" + e["body"]),  # no byte is above U+00FF
+    lambda e: e.pop("hash"),
+    lambda e: e.update(seq="7"),
+    lambda e: e.update(body=None),
+])
+def test_invalid_served_row_that_is_no_row_is_named(damage):
+    import asyncio
+
+    from veritrain.ledger.audit import fetch_and_verify
+
+    db, identity = played()
+    served = [{"seq": r.seq, "kind": r.kind, "prev_hash": r.prev_hash, "hash": r.hash,
+               "checkpoint": r.checkpoint, "body": r.body.decode()} for r in rows_of(db)]
+    good = asyncio.run(fetch_and_verify(ServedRows(served, identity.public_key), RUN))
+    assert good.first_bad_seq is None, good.problem  # (no verdict rows served here)
+    damage(served[7])
+    result = asyncio.run(fetch_and_verify(ServedRows(served, identity.public_key), RUN))
+    assert result.first_bad_seq == 7 and "cannot read the row" in result.problem
+
+
 def test_invalid_verdict_row_edited_in_the_sqlite_file_is_named(tmp_path):
     db, identity = copy_db(tmp_path)
     with sqlite3.connect(db) as conn:

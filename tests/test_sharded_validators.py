@@ -34,7 +34,7 @@ from veritrain.ledger.client import LedgerClient
 from veritrain.protocol.beacon import beacon_seed_of, shard_check_root
 from veritrain.protocol.errors import OversizedError, PayloadError
 from veritrain.protocol.identity import Identity
-from veritrain.protocol.messages import ShardCheckShare, sign
+from veritrain.protocol.messages import ShardCheckShare, ShardPublication, sign
 from veritrain.protocol.organiser import build_run
 from veritrain.protocol.outer import OuterState
 from veritrain.protocol.runtime import RunContext
@@ -278,6 +278,75 @@ def test_three_validators_catch_a_shifted_shard_and_certify_the_honest_model(tmp
     assert late[0] == 409 and late[1]["reason"] == "round_finalized"
     assert stranger[0] == 403
     assert audit.ok, audit.problem
+
+
+class ResentFirst(LedgerClient):
+    """A validator's client whose shard publication the ledger already holds in another
+    form (as after a restart): it first posts the same result under another inputs digest."""
+
+    def __init__(self, url: str, identity: Identity) -> None:
+        super().__init__(url, retry_for=5.0)
+        self.identity = identity
+
+    async def post_multipart(self, path, parts):
+        if path.endswith("/shards"):
+            (_, pub, ctype), result = parts[0], parts[1]
+            msg = dataclasses.replace(ShardPublication.from_body(
+                json.loads(pub)["body"]), inputs_digest="ab" * 32)
+            await super().post_multipart(path, [
+                ("publication", sign(self.identity, msg).encode(), ctype), result])
+        return await super().post_multipart(path, parts)
+
+
+def test_a_duplicate_refusal_of_its_own_shard_is_taken_like_a_late_shard(tmp_path, caplog):
+    """The ledger refuses validator 0's publication as ``duplicate`` (it holds another of
+    the same shard): the validator logs it and finishes the round with the stored one."""
+    validators = validator_identities(V)
+    bundle = build_run(Identity.generate("organiser"), "dup-run", _sharded_settings(),
+                       [v.public for v in validators])
+    run = RunContext.build(bundle.signed.message, bundle.dataset)
+    base = run.decode_model(bundle.genesis)
+    workers = [Identity.generate("worker") for _ in range(4)]
+    preps = {w.public_key.hex(): honest(run, base, w) for w in workers}
+    prepared = {k: (p.signed.message, p.payload) for k, p in preps.items()}
+
+    async def judge(api: Api, k: int, ident: Identity):
+        node = ValidatorNode(ValidatorConfig(ledger_url=api.url, run_id="dup-run",
+                                             poll_seconds=0.05, shard_wait=60.0), ident)
+        client = ResentFirst(api.url, ident) if k == 0 else LedgerClient(api.url, retry_for=5.0)
+        async with client:
+            info = await client.get_json("/v1/runs/dup-run/rounds/0")
+            await node.beacon_seed(client, bundle.signed.message, 0)
+            own_run = RunContext.build(bundle.signed.message, bundle.dataset)
+            return await node.validate_round(client, own_run, info)
+
+    async def scenario(api: Api):
+        await submit_all(api, bundle, workers, prepared)
+        while (await api.get("/v1/runs/dup-run/rounds/0"))[1]["status"] == "open":
+            await asyncio.sleep(0.05)
+
+        async def reveal_once_challenged() -> None:
+            while not (await api.get("/v1/runs/dup-run/rounds/0/challenges"))[1]["fixed"]:
+                await asyncio.sleep(0.05)
+            await reveal_all(api, run, preps, workers)
+
+        outcomes, _ = await asyncio.gather(
+            asyncio.gather(*(judge(api, k, v) for k, v in enumerate(validators))),
+            reveal_once_challenged())
+        shards = (await api.get("/v1/runs/dup-run/rounds/0/shards"))[1]
+        summary = (await api.get("/v1/runs/dup-run/rounds/0"))[1]
+        return outcomes, shards, summary
+
+    with caplog.at_level("WARNING", logger="veritrain"):
+        outcomes, shards, summary = run_api(tmp_path, scenario)
+    assert summary["status"] == "finalized"
+    assert any("already holds a publication of shard 0" in r.getMessage()
+               and "already published another result" in r.getMessage()
+               for r in caplog.records)
+    stored = next(w["body"] for w in shards["results"] if w["body"]["shard"] == 0)
+    assert stored["inputs_digest"] == "ab" * 32  # the earlier publication is the one listed
+    assert shards["faulty_shards"] == []  # its result is the honest shard, so it passes
+    assert all(torch.equal(o.new_flat, outcomes[0].new_flat) for o in outcomes)
 
 
 @pytest.mark.parametrize("misplaced", ["other_shard_number", "copy_of_another_shard"])

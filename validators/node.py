@@ -396,9 +396,16 @@ class ValidatorNode:
                 ("publication", sign(self.identity, pub).encode(), "application/json"),
                 ("result", blob, "application/octet-stream")])
         except LedgerRefused as exc:
-            if exc.reason != "shard_list_fixed":
+            if exc.reason == "shard_list_fixed":
+                log.warning("round %d: shard %d was late, the others recompute it", r, me)
+            elif exc.reason == "duplicate":
+                # The ledger holds another publication of this shard by this key (one sent
+                # before a restart, or a racing resend): the list takes the stored one, the
+                # others check it, and this validator goes on like a late one.
+                log.warning("round %d: the ledger already holds a publication of shard %d "
+                            "(%s); the stored one stands", r, me, exc.detail)
+            else:
                 raise
-            log.warning("round %d: shard %d was late, the others recompute it", r, me)
         view = await self._shard_list(client, spec, path)
         check = view["check"]
         while check is None:  # a quorum of validators must sign; the round waits for it too

@@ -30,13 +30,17 @@ async def recheck(client: LedgerClient, run_id: str | None, r: int, worker_prefi
     summary = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}")
     verdicts = [v for v in summary["verdicts"] if v["worker"].startswith(worker_prefix)]
     if len(verdicts) != 1:
-        raise SystemExit(f"{len(verdicts)} verdicts in round {r} match {worker_prefix!r}")
+        raise SystemExit(f"{len(verdicts)} verdicts in round {r} match {worker_prefix!r}; "
+                         "`veritrain audit round R` lists them")
     verdict = verdicts[0]
     base_flat, _ = run.decode_base(*await fetch_base_files(
         client, run.spec, summary, max_model_bytes=run.max_model_bytes))
     sealed = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/submissions")
-    signed = next(s for s in (open_signed(w, Submission) for w in sealed["submissions"])
-                  if s.message.worker == verdict["worker"])
+    signed = next((s for s in (open_signed(w, Submission) for w in sealed["submissions"])
+                   if s.message.worker == verdict["worker"]), None)
+    if signed is None:
+        raise SystemExit(f"round {r} has a verdict for {verdict['worker'][:12]} but the ledger "
+                         "serves no sealed submission of it")
     beacon = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/beacon")
     seed = bytes.fromhex(beacon_seed_of(beacon["beacon"]))
     masked = spec.masked is not None
@@ -61,7 +65,7 @@ async def recheck(client: LedgerClient, run_id: str | None, r: int, worker_prefi
 async def run_recheck(args: argparse.Namespace) -> int:
     if args.arg is None or not args.arg.isdigit() or not args.worker:
         raise SystemExit("usage: veritrain audit recheck ROUND --worker KEY_PREFIX")
-    async with LedgerClient(args.ledger, retry_for=10.0) as client:
+    async with LedgerClient(args.ledger, retry_for=getattr(args, "retry_for", 10.0)) as client:
         rows = await recheck(client, args.run, int(args.arg), args.worker)
     for row in rows:
         rec, again = row["recorded"], row["recomputed"]

@@ -4,19 +4,76 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
 import sys
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from veritrain.protocol.identity import Identity
+
+#: Commands that run a node: they log what they do (INFO). The others print what their
+#: user asked for; library chatter (alembic, matplotlib, aiohttp) and retries only with -v.
+NODE_COMMANDS = ("ledger", "worker", "validator")
 
 
-def _setup_logging(verbose: bool) -> None:
+def _setup_logging(verbose: bool, command: str) -> None:
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=logging.DEBUG if verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
+    if verbose:
+        return
+    node = command in NODE_COMMANDS
+    logging.getLogger("veritrain").setLevel(logging.INFO if node else logging.WARNING)
+    if not node:  # a one-shot command's last line says what failed; no retry warnings
+        logging.getLogger("veritrain.client").setLevel(logging.ERROR)
+
+
+def _read_key(path: str) -> Identity:
+    """The identity in key file ``path``; a one-line SystemExit if it cannot be used."""
+    from veritrain.protocol.identity import read_key_file
+
+    try:
+        return read_key_file(Path(path))
+    except FileNotFoundError:
+        raise SystemExit(f"no key file {path}: create one with `veritrain keygen --role ROLE "
+                         f"--out {path}`") from None
+    except PermissionError as exc:
+        raise SystemExit(str(exc) if exc.errno is None else
+                         f"cannot read key file {path}: {exc.strerror}") from None
+    except IsADirectoryError:
+        raise SystemExit(f"key file {path} is a directory") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise SystemExit(f"{path} is not a veritrain key file ({type(exc).__name__}: {exc}); "
+                         "keys are made by `veritrain keygen`") from None
+
+
+def _read_json(path: str, what: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise SystemExit(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise SystemExit(f"{what} {path} is not JSON ({exc})") from None
+
+
+def _json_option(value: str | None, option: str, default: Any) -> Any:
+    if value is None:
+        return default
+    try:
+        return json.loads(value)
+    except ValueError as exc:
+        raise SystemExit(f"{option} must be JSON, e.g. '{{\"bits\": 4}}' ({exc})") from None
+
+
+def _check_ledger_url(url: str) -> None:
+    if not url.startswith(("http://", "https://")):
+        raise SystemExit(f"--ledger must be a URL such as http://127.0.0.1:8470, not {url!r}")
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -24,7 +81,11 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
     ident = Identity.generate(args.role)
     out = Path(args.out)
-    write_key_file(out, ident)
+    try:
+        write_key_file(out, ident)
+    except FileExistsError:
+        raise SystemExit(f"{out} exists: keygen never overwrites a key; choose another "
+                         "--out") from None
     pub = out.with_name(out.name + ".pub.json")
     pub.write_text(json.dumps({"role": args.role, **ident.public.to_json()}, indent=1) + "\n")
     print(f"wrote {out} (mode 0600) and {pub}")
@@ -37,9 +98,10 @@ def _settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
     settings = run_preset(args.preset)
     if args.task:
-        settings["task"] = {"name": args.task, "params": json.loads(args.task_params or "{}")}
+        settings["task"] = {"name": args.task,
+                            "params": _json_option(args.task_params, "--task-params", {})}
     elif args.task_params:
-        settings["task"]["params"] = json.loads(args.task_params)
+        settings["task"]["params"] = _json_option(args.task_params, "--task-params", {})
     overrides = {
         ("inner", "steps"): args.inner_steps, ("inner", "lr"): args.inner_lr,
         ("inner", "batch_size"): args.batch_size, ("inner", "trail_every"): args.trail_every,
@@ -55,27 +117,37 @@ def _settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             settings[block][key] = value
     if args.aggregator:
-        settings["aggregator"] = {"name": args.aggregator,
-                                  "params": json.loads(args.aggregator_params or "{}")}
+        settings["aggregator"] = {"name": args.aggregator, "params": _json_option(
+            args.aggregator_params, "--aggregator-params", {})}
     if args.shards:
         settings["aggregator"]["shards"] = args.shards
     if args.codec:
-        settings["codec"] = {"name": args.codec, "params": json.loads(args.codec_params or "{}")}
+        settings["codec"] = {"name": args.codec,
+                             "params": _json_option(args.codec_params, "--codec-params", {})}
     return settings
 
 
 def cmd_run_create(args: argparse.Namespace) -> int:
     from veritrain.ledger.client import publish_run
-    from veritrain.protocol.identity import PublicIdentity, read_key_file
+    from veritrain.protocol.identity import PublicIdentity
     from veritrain.protocol.organiser import build_run
 
-    organiser = read_key_file(Path(args.key))
+    _check_ledger_url(args.ledger)
+    organiser = _read_key(args.key)
     validators = []
     for path in args.validator:
-        data = json.loads(Path(path).read_text())
-        validators.append(PublicIdentity(data["ed25519"], data.get("bls"), data.get("bls_pop")))
-    bundle = build_run(organiser, args.run_id, _settings_from_args(args), validators,
-                       quorum=args.quorum)
+        data = _read_json(path, "validator identity")
+        try:
+            validators.append(PublicIdentity(data["ed25519"], data.get("bls"),
+                                             data.get("bls_pop")))
+        except (KeyError, TypeError, AttributeError):
+            raise SystemExit(f"{path} is not a validator's .pub.json (no ed25519 key); "
+                             "`veritrain keygen --role validator` writes one") from None
+    try:
+        bundle = build_run(organiser, args.run_id, _settings_from_args(args), validators,
+                           quorum=args.quorum)
+    except ValueError as exc:  # RejectedInput is one: the spec is refused before any upload
+        raise SystemExit(f"cannot build run {args.run_id!r}: {exc}") from None
     reply = asyncio.run(publish_run(args.ledger, bundle))
     spec = bundle.signed.message
     print(f"created run {reply['run_id']}: task {spec.task['name']}, {spec.num_params} parameters, "
@@ -85,6 +157,8 @@ def cmd_run_create(args: argparse.Namespace) -> int:
 
 
 def cmd_ledger_serve(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
     from veritrain.ledger.serve import default_db_url, serve
     from veritrain.ledger.server import LedgerConfig
     from veritrain.ledger.uploads import UploadPolicy
@@ -97,16 +171,25 @@ def cmd_ledger_serve(args: argparse.Namespace) -> int:
         key_burst=args.key_burst,
         uploads=UploadPolicy(idle_seconds=args.upload_idle, min_bytes_per_s=args.upload_min_rate),
         keepalive_seconds=args.keepalive)
-    asyncio.run(serve(config, args.host, args.port,
-                      Path(args.ready_file) if args.ready_file else None))
+    try:
+        asyncio.run(serve(config, args.host, args.port,
+                          Path(args.ready_file) if args.ready_file else None))
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise SystemExit(f"cannot listen on {args.host}:{args.port}: the address is in use; "
+                         "stop what runs there or choose another --port") from None
+    except SQLAlchemyError as exc:
+        raise SystemExit(f"cannot use the ledger database {config.db_url}: "
+                         f"{str(exc).splitlines()[0]}") from None
     return 0
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from veritrain.protocol.identity import read_key_file
     from veritrain.workers.node import WorkerConfig, WorkerNode
 
-    identity = read_key_file(Path(args.key))
+    _check_ledger_url(args.ledger)
+    identity = _read_key(args.key)
     _check_device(args.device)
     state_dir = Path(args.state_dir) if args.state_dir else (
         Path.home() / ".veritrain" / f"worker-{identity.public_key.hex()[:16]}")
@@ -120,10 +203,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_validator(args: argparse.Namespace) -> int:
-    from veritrain.protocol.identity import read_key_file
     from veritrain.validators.node import ValidatorConfig, ValidatorNode
 
-    identity = read_key_file(Path(args.key))
+    _check_ledger_url(args.ledger)
+    identity = _read_key(args.key)
     _check_device(args.device)
     config = ValidatorConfig(ledger_url=args.ledger, run_id=args.run, device=args.device,
                              retry_for=args.retry_for, shard_wait=args.shard_wait,
@@ -136,6 +219,8 @@ def cmd_validator(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     if args.what != "verify" and not args.ledger:
         raise SystemExit("--ledger is required (only `verify --export FILE` works offline)")
+    if args.ledger and not args.export:
+        _check_ledger_url(args.ledger)
     if args.what == "recheck":
         from veritrain.validators.recheck import run_recheck
 
@@ -164,10 +249,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="veritrain",
         description="Byzantine-robust, verifiable DiLoCo-style training with an auditable ledger.",
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="debug logging, library logs, and the traceback of a failure")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # -v also after the subcommand (``veritrain audit report -v``).
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="debug logging, library logs, and the traceback of a failure")
 
-    k = sub.add_parser("keygen", help="create a key file (mode 0600) and its public identity",
+    k = sub.add_parser("keygen", parents=[verbose],
+                       help="create a key file (mode 0600) and its public identity",
                        description="Write a new Ed25519 key (and, for validators, a BLS12-381 "
                        "key with proof of possession) to OUT, plus OUT.pub.json for sharing.")
     k.add_argument("--role", choices=["worker", "validator", "organiser"], required=True)
@@ -176,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="organiser commands").add_subparsers(
         dest="run_command", required=True, metavar="SUBCOMMAND")
-    c = run.add_parser("create", help="define a run and publish it to a ledger",
+    c = run.add_parser("create", parents=[verbose], help="define a run and publish it to a ledger",
                        description="Pack the dataset, build the genesis model, sign the run "
                        "spec with the organiser key and upload all three to the ledger.")
     c.add_argument("--ledger", required=True, help="ledger URL, e.g. http://127.0.0.1:8470")
@@ -214,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     led = sub.add_parser("ledger", help="ledger commands").add_subparsers(
         dest="ledger_command", required=True, metavar="SUBCOMMAND")
-    s = led.add_parser("serve", help="run the ledger HTTP server",
+    s = led.add_parser("serve", parents=[verbose], help="run the ledger HTTP server",
                        description="Serve the ledger API on HOST:PORT, storing rows in a "
                        "SQLite file under --data-dir (or --db URL) and blobs beside it.")
     s.add_argument("--data-dir", default="veritrain-ledger", help="rows, blobs and ledger key")
@@ -241,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("worker", cmd_worker, "join a run: train, submit signed pseudo-gradients"),
         ("validator", cmd_validator, "check, spot-check, aggregate and certify rounds"),
     ):
-        n = sub.add_parser(name, help=helptext, description=helptext)
+        n = sub.add_parser(name, parents=[verbose], help=helptext, description=helptext)
         n.add_argument("--ledger", required=True, help="ledger URL")
         n.add_argument("--key", required=True, help="key file (veritrain keygen)")
         n.add_argument("--run", help="run id (default: the ledger's only active run)")
@@ -272,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "by 0.1%%, which the others must catch")
         n.set_defaults(func=func)
 
-    a = sub.add_parser("audit", help="read and verify a run's ledger",
+    a = sub.add_parser("audit", parents=[verbose], help="read and verify a run's ledger",
                        description="Show a run's report, one worker's history or one round, "
                        "verify the hash chain, signatures and certificates, or re-run a "
                        "recorded spot check from the stored evidence.")
@@ -287,10 +378,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recheck ROUND --worker KEY re-runs that worker's recorded spot checks")
     a.add_argument("arg", nargs="?", help="worker key (prefix) or round number")
     a.add_argument("--worker", help="worker key prefix (for recheck)")
-    a.add_argument("--json", action="store_true", help="print JSON")
+    a.add_argument("--json", action="store_true",
+                   help="print the API's JSON instead of tables (for scripts)")
+    a.add_argument("--retry-for", type=float, default=10.0, metavar="SECONDS",
+                   help="how long to retry an unreachable ledger (default 10)")
     a.set_defaults(func=cmd_audit)
 
-    d = sub.add_parser("demo", help="the whole swarm on this machine, with cheaters",
+    d = sub.add_parser("demo", parents=[verbose],
+                       help="the whole swarm on this machine, with cheaters",
                        description="Start a ledger, a validator and N workers (two of them "
                        "cheating) as processes on loopback, train charlm, and report.")
     d.add_argument("--workers", type=int, default=6)
@@ -301,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="demo-out", help="folder for the report, plot and logs")
     d.add_argument("--no-clean-run", action="store_true",
                    help="skip the reference run without cheaters")
+    d.add_argument("--no-undefended", action="store_true",
+                   help="skip the in-process run of the same cheaters with no defence "
+                   "(plain mean, no checks) that the plot compares with")
     d.add_argument("--device", default="cpu")
     d.add_argument("--sharded", action="store_true",
                    help="validators aggregate one coordinate shard each and check the others")
@@ -314,12 +412,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a failure ends in one line on stderr (the traceback with -v)."""
     args = build_parser().parse_args(argv)
-    _setup_logging(args.verbose)
+    _setup_logging(args.verbose, args.command)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            raise
+        return _failed(args, exc)
+    except Exception as exc:
+        return _failed(args, exc)
+
+
+def _failed(args: argparse.Namespace, exc: BaseException) -> int:
+    from veritrain.failures import failure_line
+
+    if args.verbose:
+        traceback.print_exc()
+    command = " ".join(c for c in (args.command, getattr(args, "run_command", None),
+                                   getattr(args, "ledger_command", None)) if c)
+    print(f"veritrain {command}: {failure_line(exc)}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -20,22 +20,39 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from veritrain.ledger.audit import fetch_events, format_report, verify_events
+from veritrain.ledger.audit import fetch_and_verify, format_report
 from veritrain.ledger.client import LedgerClient, publish_run
 from veritrain.local import LocalProcesses
 from veritrain.protocol.identity import Identity, write_key_file
 from veritrain.protocol.organiser import build_run
 from veritrain.protocol.presets import run_preset
 from veritrain.protocol.runtime import RunContext
+from veritrain.swarm import Swarm, SwarmResult
 
 CHEATERS = ("free_rider", "sign_flip")
+LABELS = {"clean": "veritrain, no cheaters",
+          "cheaters": "veritrain, with the two cheaters (caught, left out)",
+          "undefended": "no defence, the same two cheaters (plain mean, no checks)"}
+STYLES: dict[str, dict[str, Any]] = {
+    "clean": {"color": "tab:blue", "marker": "s", "markersize": 7, "linestyle": "--",
+              "linewidth": 2.5, "alpha": 0.55},
+    "cheaters": {"color": "tab:green", "marker": "o", "markersize": 4, "linewidth": 1.5},
+    "undefended": {"color": "tab:red", "marker": "^", "markersize": 5, "linewidth": 1.8},
+}
+
+
+def _losses(report: dict[str, Any]) -> list[float]:
+    """Eval loss of the certified model after each round, in order."""
+    return [r["eval_loss"] for r in report["rounds"] if r["eval_loss"] is not None]
 
 
 def _keys(out: Path, role: str, count: int) -> list[tuple[Path, Identity]]:
@@ -70,8 +87,7 @@ async def _wait_finished(url: str, run_id: str, timeout: float, label: str) -> d
 
 async def _audit(url: str, run_id: str) -> Any:
     async with LedgerClient(url, retry_for=30.0) as client:
-        ledger_key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
-        return verify_events(await fetch_events(client, run_id), ledger_key)
+        return await fetch_and_verify(client, run_id)
 
 
 async def _shard_faults(url: str, run_id: str, rounds: int) -> dict[int, list[int]]:
@@ -111,33 +127,64 @@ def _run_swarm(procs: LocalProcesses, url: str, run_id: str, validators: list[tu
     return asyncio.run(_wait_finished(url, run_id, timeout, run_id))
 
 
-def _plot(path: Path, runs: dict[str, dict[str, Any]], genesis_loss: float,
+def undefended_run(settings: dict[str, Any], workers: list[Identity], attacks: dict[int, str],
+                   rounds: int, *, run_seed: str | None = None,
+                   on_round: Callable[[int, float], None] | None = None) -> SwarmResult:
+    """The same swarm with no defence: the in-process swarm (veritrain/swarm.py) with the
+    same worker keys and run seed (so the same data), but the plain mean of every update,
+    no spot checks, no probe filter and no norm filter, so the cheaters' updates are
+    averaged in. A minute or so: one process, no HTTP. ``caught`` of the result is empty:
+    nobody is checked."""
+    plain = copy.deepcopy(settings)
+    plain["aggregator"] = {"name": "mean", "params": {}}
+    plain["verification"].update(challenges_per_worker=0.0, always_last=False,
+                                 spot_checks_per_round=0, probe_examples=0, binding_chunks=0,
+                                 norm_factor=1e6)  # the spec's cap: flags no plausible norm
+    plain["schedule"]["max_rounds"] = rounds
+    swarm = Swarm(plain, n_workers=len(workers), byzantine=attacks, seed="demo",
+                  workers=workers, run_seed=run_seed)
+    return swarm.train(rounds, on_round=None if on_round is None else (
+        lambda r, outcome: on_round(r, outcome.eval_loss)))
+
+
+def caught_labels(caught: dict[str, Any]) -> list[tuple[int, float, str]]:
+    """(x, height as a fraction of the axes, text) of each "caught" label: one label per
+    round (the cheaters caught in it named together), staggered downwards so no two
+    overlap."""
+    by_x: dict[int, list[str]] = {}
+    for name, c in caught.items():
+        if c["caught_in_round"] is not None:
+            by_x.setdefault(c["caught_in_round"] + 1, []).append(name.replace("_", " "))
+    return [(x, 0.96 - 0.09 * k, f"{' and '.join(names)} caught in round {x - 1}")
+            for k, (x, names) in enumerate(sorted(by_x.items()))]
+
+
+def _plot(path: Path, curves: list[tuple[str, list[float], dict[str, Any]]],
           caught: dict[str, Any]) -> None:
+    """The eval loss curves (x = rounds completed, from the genesis model at 0) and where
+    each cheater was caught."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for label, report in runs.items():
-        pts = [(0, genesis_loss)] + [(r["round"] + 1, r["eval_loss"]) for r in report["rounds"]
-                                     if r["eval_loss"] is not None]
-        clean = label.startswith("clean")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label,
-                marker="s" if clean else "o", markersize=7 if clean else 4,
-                linestyle="--" if clean else "-", linewidth=2.5 if clean else 1.5,
-                alpha=0.6 if clean else 1.0)
-    for name, c in caught.items():
-        if c["caught_in_round"] is not None:
-            x = c["caught_in_round"] + 1
-            ax.axvline(x, color="grey", linewidth=0.8, linestyle=":")
-            ax.annotate(f"{name} caught", (x, ax.get_ylim()[1]), rotation=90, fontsize=8,
-                        va="top", ha="right", color="grey")
+    fig, ax = plt.subplots(figsize=(8, 5.4), dpi=110)
+    for label, losses, style in curves:
+        ax.plot(range(len(losses)), losses, label=label, **style)
+    for x, height, text in caught_labels(caught):
+        ax.axvline(x, color="grey", linewidth=0.8, linestyle=":")
+        ax.annotate(text, xy=(x, height), xycoords=("data", "axes fraction"),
+                    xytext=(6, 0), textcoords="offset points", va="top", ha="left",
+                    fontsize=8.5, color="dimgrey",
+                    bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "lightgrey"})
     ax.set_xlabel("rounds completed")
     ax.set_ylabel("eval loss (nats/byte)")
-    ax.set_title("veritrain demo: charlm eval loss per round")
+    ax.set_title("veritrain demo: charlm eval loss, the same two cheaters with and without "
+                 "veritrain", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    # Below the axes, where no curve or label can be.
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1, frameon=False,
+              fontsize=8.5)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -165,17 +212,12 @@ def summarize(report: dict[str, Any], workers: list[tuple[Path, Identity]],
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    """The demo; its options are checked before anything is written (``--out`` is emptied
+    only then)."""
     n_workers = args.workers
     if n_workers < 3:
         raise SystemExit("the demo needs at least 3 workers (two of them cheat)")
     attacks = {n_workers - 2: CHEATERS[0], n_workers - 1: CHEATERS[1]}
-    organiser = Identity.generate("organiser")
-    validators = _keys(out, "validator", args.validators)
-    workers = _keys(out, "worker", n_workers)
     settings = run_preset(args.preset)
     settings["schedule"]["max_rounds"] = args.rounds
     shard_cheater = None
@@ -208,6 +250,13 @@ def run_demo(args: argparse.Namespace) -> int:
         # early worker never finds itself alone (unmaskable) because the rest registered
         # late, and banned cheaters do not hold the rounds open.
         settings["schedule"]["min_submissions"] = min(args.masked_buckets, n_workers - 2)
+    out = Path(args.out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    organiser = Identity.generate("organiser")
+    validators = _keys(out, "validator", args.validators)
+    workers = _keys(out, "worker", n_workers)
     seed = secrets.token_hex(32)  # one seed for both runs: same data for the same workers
     masking = (f", updates hidden in masked buckets of {args.masked_buckets}"
                if args.masked_buckets else "")
@@ -240,14 +289,27 @@ def run_demo(args: argparse.Namespace) -> int:
         print("\n" + format_report(cheat))
         summary = summarize(cheat, workers, attacks)
         audit = asyncio.run(_audit(url, "demo-cheaters"))
-        final = {k: [r["eval_loss"] for r in v["rounds"] if r["eval_loss"] is not None][-1]
-                 for k, v in reports.items()}
+        final = {k: _losses(v)[-1] for k, v in reports.items()}
         run = RunContext.build(bundle.signed.message, bundle.dataset)
-        _plot(out / "eval_loss.png",
-              {("with cheaters" if k == "cheaters" else "clean (no cheaters)"): v
-               for k, v in reports.items()},
-              genesis_loss=run.evaluate(run.decode_model(bundle.genesis)),
-              caught=summary["cheaters"])
+        genesis_loss = run.evaluate(run.decode_model(bundle.genesis))
+        curves = [(LABELS[k], [genesis_loss] + _losses(v), STYLES[k])
+                  for k, v in reports.items()]
+        if "clean" in reports and _losses(reports["clean"]) == _losses(cheat):
+            curves[-1] = (LABELS["cheaters"].replace(")", "): the same model as without "
+                                                     "them, on the clean curve"),
+                          *curves[-1][1:])
+        if not args.no_undefended:
+            print("\nthe same workers, data and cheaters with no defence (in-process: plain "
+                  "mean of every update, no spot checks, no filters)")
+            undefended = undefended_run(
+                settings, [ident for _, ident in workers], attacks, args.rounds, run_seed=seed,
+                on_round=lambda r, loss: print(
+                    f"  [undefended] round {r}: eval loss {loss:.4f}, all {n_workers} "
+                    "updates averaged, cheaters' included", flush=True)).eval_loss
+            final["undefended"] = undefended[-1]
+            curves.append((LABELS["undefended"], [genesis_loss] + undefended,
+                           STYLES["undefended"]))
+        _plot(out / "eval_loss.png", curves, summary["cheaters"])
         print("\nsummary")
         for name, c in summary["cheaters"].items():
             status = (f"caught in round {c['caught_in_round']} ({c['reason']})"
@@ -288,6 +350,11 @@ def run_demo(args: argparse.Namespace) -> int:
             if final["cheaters"] == final["clean"]:
                 print("    (identical: no cheating update ever reached the aggregate, so the "
                       "model is bit for bit the clean run's)")
+        if "undefended" in final:
+            versus = (f" ({final['undefended'] / final['clean'] - 1:+.2%} vs clean)"
+                      if "clean" in final else "")
+            print(f"  with no defence the same cheaters end at {final['undefended']:.4f}"
+                  f"{versus}")
         print(f"  audit: {'OK' if audit.ok else 'FAILED'} ({audit.rows} rows, "
               f"{audit.signatures} signatures, {audit.certificates} certificates)")
         print(f"  plot: {out / 'eval_loss.png'}; report: {out / 'report.json'}")

@@ -77,7 +77,12 @@ class Swarm:
     def __init__(self, settings: dict[str, Any], *, n_workers: int,
                  byzantine: dict[int, str] | None = None, seed: str = "swarm",
                  device: str = "cpu", bundle: RunBundle | None = None,
-                 keep_updates: bool = False) -> None:
+                 keep_updates: bool = False, workers: list[Identity] | None = None,
+                 run_seed: str | None = None) -> None:
+        """``workers`` and ``run_seed`` (default: derived from ``seed``) give the swarm the
+        keys and data of another run: each worker's data assignment is a function of the
+        run seed, the round and its key (protocol/data.py), so the same keys and seed
+        train on the same examples as that run's workers."""
         self.byzantine = dict(byzantine or {})
         for attack in self.byzantine.values():
             if attack not in ATTACKS:
@@ -87,8 +92,11 @@ class Swarm:
         # batches and the aggregation seeds, are the same in every run with this seed.
         v_seed = hashlib.sha256(f"veritrain/swarm/{seed}/validator".encode()).digest()
         self.validator = Identity("validator", v_seed, bls.keygen(v_seed))
-        self.workers = [deterministic_identity("worker", seed, i) for i in range(n_workers)]
-        run_seed = hashlib.sha256(f"veritrain/swarm/{seed}/run".encode()).hexdigest()
+        if workers is not None and len(workers) != n_workers:
+            raise ValueError(f"{len(workers)} worker keys for {n_workers} workers")
+        self.workers = workers or [deterministic_identity("worker", seed, i)
+                                   for i in range(n_workers)]
+        run_seed = run_seed or hashlib.sha256(f"veritrain/swarm/{seed}/run".encode()).hexdigest()
         self.bundle = bundle or build_run(deterministic_identity("organiser", seed, 0),
                                           "swarm", settings, [self.validator.public],
                                           seed=run_seed)

@@ -113,7 +113,10 @@ def _verdict(worker: str, digest: str, kind: str) -> dict[str, Any]:
             "status": "rejected" if rejected else "accepted",
             "reason": REJECT_REASON.get(kind, ""), "detail": f"synthetic verdict for a {kind}",
             "spot_checked": kind == SPOT_FAIL, "distance": 0.5 if kind == SPOT_FAIL else None,
-            "checks": []}
+            # The evidence a failed check names: the revealed states' content hashes.
+            "checks": [{"segment": 1, "start": "7" * 64, "end": "7" * 64, "ef": None,
+                        "distance": 0.5, "ok": False,
+                        "note": "recomputed end state differs"}] if kind == SPOT_FAIL else []}
 
 
 def build_results(run: SyntheticRun, r: int, base: str, seed: str, subs: dict[str, str],
