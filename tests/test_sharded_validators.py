@@ -288,14 +288,14 @@ class ResentFirst(LedgerClient):
         super().__init__(url, retry_for=5.0)
         self.identity = identity
 
-    async def post_multipart(self, path, parts):
+    async def post_multipart(self, path, parts, **kwargs):
         if path.endswith("/shards"):
             (_, pub, ctype), result = parts[0], parts[1]
             msg = dataclasses.replace(ShardPublication.from_body(
                 json.loads(pub)["body"]), inputs_digest="ab" * 32)
             await super().post_multipart(path, [
-                ("publication", sign(self.identity, msg).encode(), ctype), result])
-        return await super().post_multipart(path, parts)
+                ("publication", sign(self.identity, msg).encode(), ctype), result], **kwargs)
+        return await super().post_multipart(path, parts, **kwargs)
 
 
 def test_a_duplicate_refusal_of_its_own_shard_is_taken_like_a_late_shard(tmp_path, caplog):
