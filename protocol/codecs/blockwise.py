@@ -69,7 +69,9 @@ class BlockwiseCodec(ScaledBlocksCodec):
         blocks = self._blocks(x.numpy())
         # max |x| per block from the row extremes: no |x| temporary of the vector's size
         absmax = np.maximum(blocks.max(axis=1), -blocks.min(axis=1))
-        scales = (absmax / np.float32(self.qmax)).astype(np.float32)
+        # An all-zero block gives -0.0 (the negation of its minimum 0.0); adding +0.0 makes
+        # it +0.0, the only zero scale a decoder accepts (a set sign bit is refused).
+        scales = (absmax / np.float32(self.qmax)).astype(np.float32) + np.float32(0.0)
         q = np.zeros(blocks.shape, dtype=np.float32)
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             np.divide(blocks, scales[:, None], out=q, where=scales[:, None] > 0)
