@@ -3,10 +3,14 @@
 The benchmark ``bench/verification.py`` measures at the bench scale; these tests
 run the same code on the tiny charlm task with the bench preset's one-step
 segments (H = 10, k = 1; later-round base models from a short swarm) and check,
-with the validator's own ``check_segment`` at the recommended tolerance, that
-honest recomputations with another thread count are never flagged, that every
-cheat of the benchmark is, and that the challenge policy's detection power
-matches its derivation under Monte Carlo beacons.
+with the validator's own ``check_reveal`` on reveals the worker's evidence writes,
+at the recommended tolerance, that honest recomputations with another thread count
+are never flagged, that every cheat of the benchmark is (by the step check's
+distance, or by the binding or the reveal where the benchmark says so), and that
+the challenge policy's detection power matches its derivation under Monte Carlo
+beacons. The tiny model has 3 chunks of 16,384 values; step checks here open 2 of
+them (``opened_chunks`` = 2), so that, as at the bench scale, a check sees only part
+of each state; the binding opens all 3, and 2 in one test.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 from veritrain.protocol.challenges import ChallengePolicy
+from veritrain.protocol.commitments import chunk_count, opened_label, sample_chunks
 from veritrain.protocol.presets import run_preset
-from veritrain.validators.segments import check_segment
+from veritrain.validators.spot_checks import check_reveal
+from veritrain.workers.evidence import reveal_bytes
 
 from veritrain.swarm import Swarm
 
@@ -34,6 +40,8 @@ sys.modules[_SPEC.name] = V
 _SPEC.loader.exec_module(V)
 
 TOL = V.RECOMMENDED_TOLERANCE
+OPENED = 2
+SEED = V.BENCH_SEED
 
 
 def tiny_settings() -> dict:
@@ -41,6 +49,7 @@ def tiny_settings() -> dict:
     settings["inner"]["steps"] = 10  # S = 10 one-step segments; regrouped, 1 of 10 steps
     settings["inner"]["trail_every"] = 1
     settings["verification"]["tolerance"] = TOL
+    settings["verification"]["opened_chunks"] = OPENED
     return settings
 
 
@@ -60,10 +69,12 @@ def world():
 
         def keep(r, outcome):
             assert all(v["status"] == "accepted" for v in outcome.verdicts), outcome.verdicts
+            assert all(len(v["checks"]) == 3 for v in outcome.verdicts)  # 2 steps + binding
             bases.append(swarm.base)
             efs.append(list(swarm.error_feedback))
 
         swarm.train(2, on_round=keep)
+    assert chunk_count(swarm.run.numel) == 3
     return swarm, bases, efs
 
 
@@ -73,15 +84,21 @@ def strict(claim):
 
 
 def check(claim, j, threads=1):
+    """The validator's checks of segment ``j`` (a step check, then the binding), on the
+    reveal the claim's evidence writes, as the swarm makes them."""
     with V.num_threads(threads):
-        return check_segment(claim.run, claim.base, claim.sub, claim.payload, j, claim.evidence)
+        reveal = reveal_bytes(claim.evidence, SEED, [j], claim.sub)
+        results = check_reveal(claim.run, claim.base, claim.sub, claim.payload, [j], reveal,
+                               SEED)
+    assert [x.kind for x in results] == ["step", "binding"]
+    return results
 
 
 def test_honest_recomputation_is_never_flagged(world):
     """40 segment checks over three rounds' base models and every worker, 16 of them with
     worker and validator on different thread counts (1 -> 2 and 2 -> 1, the rest 1 -> 1;
     few, because two threads on a busy two-core machine are slow): no false positive at
-    the tolerance."""
+    the tolerance, and every binding holds."""
     swarm, bases, efs = world
     results = []
     directions = [(1, 2), (2, 1), (1, 1), (1, 1), (1, 1)]
@@ -92,17 +109,20 @@ def test_honest_recomputation_is_never_flagged(world):
         segments = [0, claim.last, *range(1 + i % 2, claim.last)][:8]
         results += [check(claim, j, validator_threads) for j in segments]
     assert len(results) == 40
-    failed = [(x.segment, x.distance, x.note) for x in results if not x.ok]
+    failed = [(x.kind, x.segment, x.distance, x.note) for pair in results for x in pair
+              if not x.ok]
     assert not failed
-    assert max(x.distance for x in results) < TOL / 4  # a margin, not just a pass
+    steps = [pair[0] for pair in results]
+    assert max(x.distance for x in steps) < TOL / 4  # a margin, not just a pass
 
 
 @pytest.fixture(scope="module")
 def victim(world):
     """Worker 0's honest round-1 claim, its round-0 claim and round-0 payload."""
     swarm, bases, efs = world
-    old = V.honest_claim(swarm.run, swarm.workers[0], 0, bases[0], efs[0][0], threads=1)
-    claim = V.honest_claim(swarm.run, swarm.workers[0], 1, bases[1], efs[1][0], threads=1)
+    with V.num_threads(1):
+        old = V.honest_claim(swarm.run, swarm.workers[0], 0, bases[0], efs[0][0], threads=1)
+        claim = V.honest_claim(swarm.run, swarm.workers[0], 1, bases[1], efs[1][0], threads=1)
     return swarm, bases, claim, old
 
 
@@ -121,7 +141,7 @@ def build_cheat(name, swarm, bases, claim, old):
     if name == "half_batch":
         return V.cheat_half_batch(claim, j), j
     if name == "stale_payload":
-        return V.cheat_stale_payload(claim, old.payload), claim.last
+        return V.cheat_stale_payload(claim, old.payload), j  # any segment: the binding
     if name == "stale_round":
         return V.cheat_stale_round(old, bases[1], 1), j
     if name == "state_noise":
@@ -139,32 +159,136 @@ def test_every_cheat_has_a_case():
     assert set(V.CHEAT_LABELS) == {
         "free_rider", "skip_k1", "skip_k10", "other_data", "half_batch", "stale_payload",
         "stale_round", "state_noise", "update_noise", "lr_x2", "lr_half"}
+    assert set(V.NOT_BY_DISTANCE) == {"free_rider", "stale_payload"}
 
 
 @pytest.mark.parametrize("name", list(V.CHEAT_LABELS))
 def test_each_cheat_is_caught(victim, name):
     swarm, bases, claim, old = victim
     cheat, j = build_cheat(name, swarm, bases, claim, old)
-    result = check(strict(cheat), j)
-    assert not result.ok, (name, result)
-    if name in V.NOT_BY_DISTANCE:
-        assert result.distance is None or result.distance <= TOL  # caught by another rule
+    step, binding = check(strict(cheat), j)
+    assert not (step.ok and binding.ok), (name, step, binding)
+    if name == "free_rider":  # it kept no states: no reveal, every check fails
+        assert step.distance is None and "revealed nothing" in step.note
+        assert not binding.ok and "revealed nothing" in binding.note
+    elif name == "stale_payload":  # an honest trail: only the binding catches it
+        assert step.ok and step.distance <= TOL, step
+        assert not binding.ok and "payload does not encode" in binding.note, binding
     else:
-        assert result.distance is not None and result.distance > 3 * TOL, (name, result)
+        assert not step.ok and step.distance is not None and step.distance > 3 * TOL, step
+        assert "recomputed state differs" in step.note, step
+        # A careful cheater's payload re-derives from its (forged) final state; only the
+        # lazy worker's payload, made from last round's base, fails the binding too.
+        assert binding.ok == (name != "stale_round"), binding
     # The honest claim for the same segment passes: the cheat, not the setup, is caught.
-    assert check(strict(claim), j).ok
+    honest = claim.regroup(10) if name == "skip_k10" else claim
+    assert all(x.ok for x in check(strict(honest), j))
 
 
 def test_cheats_judged_without_a_tolerance_report_their_distance(victim):
     """The benchmark's judge (infinite tolerance) keeps the distance and the other rules."""
     swarm, bases, claim, old = victim
     honest = V.judge(claim, 1, threads=1)
-    assert honest.ok and honest.distance == 0.0 and not honest.flagged(TOL)
+    assert honest.ok and honest.binding and honest.distance == 0.0 and not honest.flagged(TOL)
     noisy = V.judge(V.cheat_state_noise(claim, 1, seed=1), 1, threads=1)
-    assert noisy.ok and noisy.flagged(TOL) and not noisy.flagged(0.02)
-    assert noisy.distance == pytest.approx(V.NOISE, rel=0.05)
-    stale = V.judge(V.cheat_stale_payload(claim, old.payload), claim.last, threads=1)
-    assert not stale.ok and "re-derive" in stale.note and stale.flagged(1.0)
+    assert noisy.ok and noisy.binding and noisy.flagged(TOL) and not noisy.flagged(0.02)
+    assert noisy.distance == pytest.approx(V.NOISE, rel=0.1)
+    stale = V.judge(V.cheat_stale_payload(claim, old.payload), 1, threads=1)
+    assert stale.distance == 0.0 and stale.binding is False
+    assert not stale.ok and "binding" in stale.note and stale.flagged(1.0)
+    rider = V.judge(V.free_rider_claim(swarm.run, swarm.workers[0], 1, bases[1]), 3)
+    assert rider.distance is None and not rider.ok and rider.flagged(math.inf)
+
+
+def test_regrouped_trails_are_what_a_k_step_worker_commits(victim):
+    """A k = 1 trail regrouped to k = 5 checks as a k = 5 worker's (whole start moments in the
+    reveal, five steps recomputed): same thread count, so distance 0; a state forged in the
+    regrouped claim is caught."""
+    swarm, bases, claim, old = victim
+    k5 = claim.regroup(5)
+    assert k5.k == 5 and k5.last == 1 and k5.sub.trail == [claim.sub.trail[4], claim.sub.trail[9]]
+    for j in (0, 1):
+        result = V.judge(k5, j, threads=1)
+        assert result.ok and result.distance == 0.0, result
+    assert V.judge(V.cheat_state_noise(k5, 1, seed=2), 1, threads=1).flagged(TOL)
+    with pytest.raises(ValueError):
+        claim.regroup(3)
+
+
+def test_only_the_opened_chunks_are_compared(victim):
+    """The step check compares the opened chunks alone: a forgery confined to a chunk the
+    beacon did not open passes, the same forgery in an opened chunk is caught."""
+    swarm, bases, claim, old = victim
+    j = 2
+    opened = sample_chunks(SEED, opened_label(claim.sub.worker, j), 3, OPENED)
+    (hidden,) = set(range(3)) - set(opened)
+    missed = V.judge(V.cheat_state_noise(claim, j, seed=4, chunks=[hidden]), j, threads=1)
+    assert missed.ok and missed.distance == 0.0
+    caught = V.judge(V.cheat_state_noise(claim, j, seed=4, chunks=[opened[0]]), j, threads=1)
+    assert caught.ok and caught.distance > 3 * TOL
+
+
+def with_binding_chunks(claim, n):
+    """The claim in a run whose binding opens ``n`` chunks (its evidence writes that layout)."""
+    def of(run):
+        verification = {**run.spec.verification, "binding_chunks": n}
+        return dataclasses.replace(run, spec=dataclasses.replace(run.spec,
+                                                                 verification=verification))
+    return dataclasses.replace(claim, run=of(claim.run)).with_evidence(
+        claim.evidence.store, of(claim.evidence.run))
+
+
+def test_the_binding_at_some_chunks_passes_an_honest_payload(victim):
+    """The binding opening fewer chunks than the model has (the bench preset: 16 of 64)
+    encodes a vector that is zero outside them: its all-zero blocks must give scales the
+    decoder accepts (int4's absmax scale once came out -0.0 and failed every honest
+    binding), and a stale payload is still caught."""
+    swarm, bases, claim, old = victim
+    partial = with_binding_chunks(claim, OPENED)
+    assert V.judge(V.cheat_stale_payload(partial, old.payload), 1).binding is False
+    honest = V.judge(partial, 1, threads=1)
+    assert honest.ok and honest.binding, honest
+
+
+def test_the_instrumented_swarm_times_the_real_checks():
+    """The cost measurement patches the functions the swarm really calls: every honest
+    worker's training, reveal, step checks and binding are counted, the free rider's are
+    not, and each observed submission comes with every state for the benchmark's checks."""
+    swarm = Swarm(tiny_settings(), n_workers=3, byzantine={2: "free_rider"}, seed="timed")
+    rider = swarm.workers[2].public_key.hex()
+    timers = V.Timers()
+    claims = []
+
+    def observe(prep, args, kwargs, side):
+        store = V.copied_store(prep.evidence.store)
+        store.vectors.update(side.vectors)
+        claims.append(V.Claim(V.judging_run(args[0]), args[3], prep.signed.message,
+                              prep.payload, V.evidence_in(store, args[0], args[2],
+                                                          prep.signed.message.worker)))
+        V.judge(claims[-1], 5, threads=1)  # the bench's own checks are not the validator's
+
+    with V.instrumented(timers, {rider}, observe):
+        outcome = swarm.step(0)
+    honest = [v for v in outcome.verdicts if v["worker"] != rider]
+    assert all(v["status"] == "accepted" for v in honest)
+    assert [v["reason"] for v in outcome.verdicts if v["worker"] == rider] == [
+        "spot_check_failed"]
+    assert timers.worker_rounds == 2 and timers.worker_steps == 20
+    assert timers.segments_checked == sum(len(v["checks"]) - 1 for v in honest) == 4
+    assert timers.bindings_checked == 2 and timers.reveals == 2
+    assert timers.validator_checks_cpu > 0 and timers.validator_steps_cpu > 0
+    assert timers.validator_bindings_cpu > 0 and timers.worker_train_cpu > 0
+    assert (timers.validator_steps_cpu + timers.validator_bindings_cpu
+            <= timers.validator_checks_cpu)  # parts of the round's check_reveal only
+    assert timers.capture_cpu > 0  # states the swarm's workers did not keep were copied
+    assert len(claims) == 2
+    for claim in claims:
+        assert all(claim.evidence.store.has(f"state-{s}") for s in range(1, 11))
+        result = V.judge(claim, 5, threads=1)
+        assert result.ok and result.distance == 0.0
+    import veritrain.validators.round as round_mod
+
+    assert round_mod.check_reveal is check_reveal  # restored
 
 
 BENCH = ChallengePolicy(segments=30, per_worker=1.5, full_checks=0, always_last=False)
@@ -191,8 +315,8 @@ def test_monte_carlo_matches_the_derivation_for_the_bench_policy():
     ChallengePolicy(segments=6, per_worker=2.0, full_checks=2, always_last=True),
 ])
 def test_monte_carlo_matches_the_derivation_for_other_policies(policy):
-    """Below c = 1 a free rider escapes with 1 - c; always_last binds the payload for sure;
-    full checks catch every faker they draw."""
+    """Below c = 1 a free rider escapes with 1 - c; always_last checks the last segment for
+    sure; full checks catch every faker they draw."""
     s = policy.segments
     mc = V.monte_carlo(policy, n_workers=8, seeds=400, faked=[s, 1, 2])
     assert mc.free_rider_caught == pytest.approx(1 - V.p_escape(policy, s, n_workers=8),
@@ -204,6 +328,25 @@ def test_monte_carlo_matches_the_derivation_for_other_policies(policy):
                                                abs=0.03)
     if policy.per_worker < 1:
         assert 0.4 < mc.free_rider_caught < 0.6
+
+
+def test_chunk_draws_match_the_derivation():
+    """16 of the bench model's 64 chunks are opened: a one-chunk forgery is seen with 1/4."""
+    assert V.p_chunk_opened(64, 16) == pytest.approx(0.25)
+    assert V.p_chunk_opened(64, 16, forged=4) == pytest.approx(
+        1 - math.comb(60, 16) / math.comb(64, 16))
+    assert V.p_chunk_opened(3, 16) == 1.0  # a small model is opened whole
+    assert V.chunk_draws(64, 16, seeds=1500) == pytest.approx(0.25, abs=0.04)
+    assert V.chunk_draws(64, 16, seeds=1500, forged=4, binding=True) == pytest.approx(
+        V.p_chunk_opened(64, 16, forged=4), abs=0.04)
+    assert V.chunk_draws(3, 16, seeds=50) == 1.0
+
+
+def test_recommended_tolerance_is_the_presets_for_one_step_segments():
+    for name in ("bench", "demo"):
+        settings = run_preset(name)
+        assert settings["inner"]["trail_every"] == 1
+        assert settings["verification"]["tolerance"] == V.RECOMMENDED_TOLERANCE
 
 
 def test_tolerance_choice_and_summary_line():
@@ -218,6 +361,23 @@ def test_tolerance_choice_and_summary_line():
                         r"weakest_cheat_detected=\d\.\d\d validator_cost=\d+\.\d%", line), line
     assert line.endswith("honest_false_positives=0/612 weakest_cheat_detected=1.00 "
                          "validator_cost=3.7%")
+
+
+def test_checks_of_folds_the_binding_into_each_step_check():
+    """A verdict's checks (``to_json``) as the benchmark reads them: a step that failed only
+    by its distance keeps its distance; a failed binding fails every step's Check."""
+    rows = [{"kind": "step", "segment": 1, "distance": 0.5, "ok": False,
+             "note": "recomputed state differs by 0.5"},
+            {"kind": "step", "segment": 4, "distance": None, "ok": False,
+             "note": "end leaves do not make the committed end state"},
+            {"kind": "binding", "segment": 10, "distance": None, "ok": True, "note": ""}]
+    by_distance, bad = V.checks_of(rows)
+    assert by_distance.ok and by_distance.distance == 0.5 and by_distance.flagged(0.1)
+    assert not by_distance.flagged(1.0)
+    assert not bad.ok and "end leaves" in bad.note and bad.flagged(math.inf)
+    rows[0]["distance"], rows[-1]["ok"], rows[-1]["note"] = 0.0, False, "payload differs"
+    (step, _) = V.checks_of(rows)
+    assert not step.ok and step.binding is False and step.note == "binding: payload differs"
 
 
 def test_threads_restore():
