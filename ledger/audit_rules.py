@@ -45,6 +45,7 @@ from veritrain.protocol.messages import (
     Submission,
     digest_of,
 )
+from veritrain.protocol.rules import PENALIZED_REASONS
 from veritrain.protocol.secagg import round_buckets
 
 from .chain import ChainRow
@@ -110,6 +111,8 @@ class ResultFacts:
     submission_digests: list[str] | Deferred  # sorted
     failed: set[str] | Deferred  # workers whose spot check failed
     submitted: dict[str, str] | Deferred  # worker -> its submission's digest
+    #: worker -> reason, for verdicts that say the worker may not submit at all
+    excluded: dict[str, str] | Deferred = field(default_factory=dict)
 
 
 Lists = tuple[list[dict[str, Any]], list[dict[str, Any]]]
@@ -141,6 +144,7 @@ class RoundState:
     base: str
     submissions: dict[str, int] = field(default_factory=dict)  # digest -> row index
     closed: list[str] | None = None
+    closed_row: int = -1  # the round_closed row
     sealed: str | None = None  # sealed_list_digest(closed), once closed
     shares: dict[int, str] = field(default_factory=dict)  # validator -> its logged BLS share
     beacon_seed: str | None = None
@@ -173,6 +177,8 @@ class AuditState:
     rounds: dict[int, RoundState] = field(default_factory=dict)
     current: RoundState | None = None
     next_base: str | None = None
+    registered: dict[str, int] = field(default_factory=dict)  # participant -> its row
+    banned_until: dict[str, int] = field(default_factory=dict)  # worker -> last banned round
 
 
 def get_spec(state: AuditState) -> RunSpec:
@@ -228,6 +234,14 @@ def process_run_spec(state: AuditState, index: int, spec: RunSpec, signer: str,
         raise Bad("run spec of another run")
     state.spec = spec
     state.next_base = spec.genesis_model_hash
+
+
+def process_registration(state: AuditState, index: int, participant: str) -> None:
+    """9.3 ``registration`` in the pass: after the run spec (:func:`get_spec`); the
+    participant is registered from this row on (certified ``unknown_worker`` verdicts are
+    checked against it: :func:`check_exclusions`)."""
+    get_spec(state)
+    state.registered.setdefault(participant, index)
 
 
 def check_registration(registration: Registration, signer: str, run_id: str) -> None:
@@ -472,6 +486,7 @@ def process_round_closed(state: AuditState, index: int, body: dict[str, Any]) ->
     if not same:
         raise Bad("sealed list differs from the submissions recorded in the round")
     rnd.closed = listed
+    rnd.closed_row = index
     rnd.sealed = sealed_list_digest(listed)
 
 
@@ -624,6 +639,7 @@ def process_round_finalized(state: AuditState, index: int, body: dict[str, Any]
     if take(res.facts.submission_digests) != sorted(rnd.closed or []):
         raise Bad("certified verdicts do not cover exactly the sealed submissions")
     check_checks_and_reveals(state, rnd, res)
+    check_exclusions(state, rnd, res)
     check_bans_and_penalties(state, rnd, res)
     rnd.certified = res
     state.next_base = certified.model_hash
@@ -651,6 +667,20 @@ def check_checks_and_reveals(state: AuditState, rnd: RoundState, res: RecordedRe
                              "naming another worker's submission")
 
 
+def check_exclusions(state: AuditState, rnd: RoundState, res: RecordedResult) -> None:
+    """9.3 ``round_finalized``: "a certified `banned` verdict names a worker a ban row of
+    an earlier round covers; a certified `unknown_worker` verdict names a worker with no
+    registration row before the round closed" (validators take both from the chain, not
+    from the ledger's word)."""
+    for worker, reason in take(res.facts.excluded).items():
+        if reason == "banned" and state.banned_until.get(worker, -1) < rnd.index:
+            raise Bad(f"certified verdict bans {worker[:12]}, whom no earlier ban covers")
+        if reason == "unknown_worker" and state.registered.get(worker, rnd.closed_row) \
+                < rnd.closed_row:
+            raise Bad(f"certified verdict calls {worker[:12]} unknown, but it registered "
+                      "before the round closed")
+
+
 def check_bans_and_penalties(state: AuditState, rnd: RoundState, res: RecordedResult) -> None:
     """The round's ``ban`` and ``penalty`` rows against its certified result ``res``: a ban
     names a worker whose spot check failed, reason ``spot_check_failed``, until
@@ -661,9 +691,10 @@ def check_bans_and_penalties(state: AuditState, rnd: RoundState, res: RecordedRe
     spec = get_spec(state)
     ban_rounds = spec.verification["ban_rounds"]
     for i, body in rnd.bans:
-        if body["worker"] not in failed or body["reason"] != "spot_check_failed" or body[
+        if body["worker"] not in failed or body["reason"] not in PENALIZED_REASONS or body[
                 "until_round"] != rnd.index + ban_rounds:
             raise BadEarlier(i, "ban", "ban without a certified failed spot check")
+        state.banned_until[body["worker"]] = body["until_round"]
     vesting = spec.verification.get("vesting_rounds", 0)
     for i, body in rnd.penalties:
         src = state.rounds.get(body["source_round"])

@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import Select, case, func, select
 from sqlalchemy.orm import Session
+from veritrain.protocol.rules import PENALIZED_REASONS
 
 from . import schema as t
 from .store import NotFound
@@ -99,7 +100,7 @@ def _totals(s: Session, run_id: str, parts: list[t.Participant]) -> list[dict[st
     bans = dict(s.execute(
         select(t.Verdict.worker, func.count()).where(
             t.Verdict.run_id == run_id, t.Verdict.worker.in_(keys),
-            t.Verdict.reason == "spot_check_failed").group_by(t.Verdict.worker)).all())
+            t.Verdict.reason.in_(sorted(PENALIZED_REASONS))).group_by(t.Verdict.worker)).all())
     out = []
     for p in parts:
         row = agg.get(p.pubkey)

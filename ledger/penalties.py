@@ -1,6 +1,7 @@
 """Consequences recorded when a round finalizes (specs/scoring.md, "Penalties").
 
-* A worker that failed a spot check scores 0 for the round, is banned for
+* A worker whose verdict proves misconduct (``PENALIZED_REASONS``: a failed spot check,
+  or a due reveal that never came) scores 0 for the round, is banned for
   ``ban_rounds`` rounds, and forfeits its unvested rewards: rewards vest
   ``vesting_rounds`` rounds after they were earned, so what it earned in the
   rounds ``r - vesting_rounds + 1 .. r - 1`` is taken back (a ``forfeit``
@@ -19,6 +20,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from veritrain.protocol.messages import RunSpec
+from veritrain.protocol.rules import PENALIZED_REASONS
 
 from . import schema as t
 
@@ -30,7 +32,7 @@ def apply_worker_penalties(s: Session, spec: RunSpec, r: int, verdicts: list[dic
     ban_rounds = spec.verification["ban_rounds"]
     vesting = spec.verification["vesting_rounds"]
     for v in verdicts:
-        if v["reason"] != "spot_check_failed":
+        if v["reason"] not in PENALIZED_REASONS:
             continue
         worker = v["worker"]
         part = s.execute(select(t.Participant).where(

@@ -73,6 +73,7 @@ from veritrain.protocol.messages import (
     digest_of,
     open_signed,
 )
+from veritrain.protocol.rules import PENALIZED_REASONS
 from veritrain.protocol.signing import compute_signing_root, verify_ed25519
 
 from . import audit_rules as rules
@@ -409,8 +410,10 @@ class ResultFactsAndViews(ResultFacts):
             scores_digest=_attempt(lambda: digest_of(scores)),
             submission_digests=_attempt(lambda: sorted(v["submission_digest"] for v in verdicts)),
             failed=_attempt(lambda: {v["worker"] for v in verdicts
-                                     if v["reason"] == "spot_check_failed"}),
+                                     if v["reason"] in PENALIZED_REASONS}),
             submitted=_attempt(lambda: {v["worker"]: v["submission_digest"] for v in verdicts}),
+            excluded=_attempt(lambda: {v["worker"]: v["reason"] for v in verdicts
+                                       if v["reason"] in ("banned", "unknown_worker")}),
             totals=totals,
             lines=render_view_lines(views) if render and not isinstance(views, Deferred)
             else None)
@@ -474,6 +477,14 @@ class Columns:
             return self.rows[j]
         return ChainRow(self.seq[j], self.run_id, self.kind[j], self.body[j],
                         self.prev_hash[j], self.hash[j], self.checkpoint[j])
+
+
+def _participant(row: ChainRow) -> str:
+    """The key a registration row registers (its signature is a job of its own)."""
+    participant = json.loads(row.body)["body"]["participant"]
+    if not isinstance(participant, str):
+        raise Bad("registration names no participant key")
+    return participant
 
 
 def _record_body(row: ChainRow) -> Any:
@@ -673,8 +684,8 @@ class _Pass:
             kind = row.kind
             counts[kind] = counts.get(kind, 0) + 1
             try:
-                if kind == "registration":
-                    rules.get_spec(self.state)  # the rest of its rule: row_jobs()
+                if kind == "registration":  # its signature: row_jobs()
+                    rules.process_registration(self.state, i, _participant(row))
                 else:
                     self._other(i, row, prepared.get(k))
             except Bad as exc:

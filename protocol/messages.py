@@ -172,10 +172,13 @@ VERIFICATION = f.record(
         "probe_factor": f.number(0.0, 1e6),
         "opened_chunks": f.integer(1, 1 << 20),
         "binding_chunks": f.integer(0, 1 << 20),
+        "recompute_threads": f.integer(1, 256),
     },
     # Added with the probe filter: specs signed before it have no probe (both 0); added
-    # with chunked commitments: the chunks a check opens (16 when absent).
-    absent_ok=frozenset({"probe_examples", "probe_factor", "opened_chunks", "binding_chunks"}),
+    # with chunked commitments: the chunks a check opens (16 when absent); the CPU threads
+    # a validator recomputes with (1 when absent).
+    absent_ok=frozenset({"probe_examples", "probe_factor", "opened_chunks", "binding_chunks",
+                         "recompute_threads"}),
 )
 #: Largest bucket a run may ask for (buckets hold ``bucket_size`` to ``2 bucket_size - 1``).
 MAX_BUCKET_SIZE = 64

@@ -30,8 +30,14 @@ REJECTION_REASONS = (
     "non_finite",
     "norm_outlier",
     "spot_check_failed",
+    "missing_reveal",
     "missing_payload",
 )
+
+#: Verdict reasons that prove misconduct and cost the worker its ban and unvested rewards
+#: (specs/scoring.md, "Penalties"): a failed recomputation or binding, or a due reveal
+#: that never came (a worker holding the ledger's receipt for it can show the ledger hid it).
+PENALIZED_REASONS = frozenset({"spot_check_failed", "missing_reveal"})
 
 
 @dataclass(frozen=True)

@@ -270,6 +270,18 @@ def deterministic_mode(device: torch.device, enabled: bool = True) -> Iterator[N
                 _restore_torch_settings(_settings_before)
 
 
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """``torch.set_num_threads(n)`` inside the block (a validator's recomputation uses the
+    run's ``recompute_threads``, so validators on one kind of hardware agree bit for bit)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 # --- the loop -------------------------------------------------------------------------
 
 

@@ -805,3 +805,53 @@ def test_invalid_round_finalized_twice():
     rules.process_round_finalized(state, 60, finalized_body(view))
     raises("round finalized twice", rules.process_round_finalized, state, 61,
            finalized_body(view))
+
+
+def excluded_result(worker: str, reason: str) -> tuple[ResultView, ResultFacts]:
+    """``certified_result`` whose verdict for ``worker`` is the exclusion ``reason``."""
+    view, facts = certified_result()
+    verdicts = [v | {"reason": reason} if v["worker"] == worker else v for v in view.verdicts]
+    cert = CertifiedState.from_body(view.certified)
+    certified = dataclasses.replace(cert, verdicts_hash=digest_of(verdicts)).to_body()
+    view = dataclasses.replace(view, verdicts=verdicts, certified=certified)
+    return view, dataclasses.replace(facts, verdicts_digest=digest_of(verdicts),
+                                     excluded={worker: reason})
+
+
+@pytest.mark.parametrize(("reason", "prior", "problem"), [
+    ("banned", None, f"certified verdict bans {WORKERS[0][:12]}, whom no earlier ban covers"),
+    ("banned", {"banned_until": 0}, None),
+    ("unknown_worker", {"registered": 10},
+     f"certified verdict calls {WORKERS[0][:12]} unknown, but it registered before the round "
+     "closed"),
+    ("unknown_worker", {"registered": 35}, None),
+    ("unknown_worker", None, None),
+])
+def test_banned_and_unknown_verdicts_are_taken_from_the_chain(reason, prior, problem):
+    """A certified ``banned`` or ``unknown_worker`` verdict must follow from the chain's
+    ban and registration rows, not from the ledger's word (``check_exclusions``)."""
+    worker = WORKERS[0]
+    rnd = beaconed_round()
+    rnd.closed_row = 30
+    state = state_with(rnd)
+    if prior and "banned_until" in prior:
+        state.banned_until[worker] = prior["banned_until"]
+    if prior and "registered" in prior:
+        state.registered[worker] = prior["registered"]
+    view, facts = excluded_result(worker, reason)
+    rules.process_round_result(state, 40, view, VALIDATORS[0], facts)
+    rules.process_ban(state, 41, {"run_id": RUN, "round": 0, "worker": SPOT_FAILED,
+                                  "reason": "spot_check_failed", "until_round": 2})
+    if problem is None:
+        assert rules.process_round_finalized(state, 42, finalized_body(view)) is rnd
+        assert state.banned_until[SPOT_FAILED] == 2  # this round's ban covers later rounds
+    else:
+        raises(problem, rules.process_round_finalized, state, 42, finalized_body(view))
+        assert rnd.certified is None
+
+
+def test_registrations_are_recorded_in_chain_order():
+    state = state_with()
+    rules.process_registration(state, 3, WORKERS[1])
+    rules.process_registration(state, 9, WORKERS[1])  # a second registration row: the first
+    assert state.registered == {WORKERS[1]: 3}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 from fakes import FakeRun, make_fake_run, make_submission
 from ledger_harness import Api, run_api
 from veritrain.protocol.beacon import beacon_root, beacon_seed_of, sealed_list_digest_of
@@ -16,6 +17,7 @@ from veritrain.protocol.messages import (
     digest_of,
     sign,
 )
+from veritrain.protocol.rules import PENALIZED_REASONS
 
 
 async def post_share(api: Api, run: FakeRun, v: Identity, r: int) -> dict:
@@ -29,10 +31,11 @@ async def post_share(api: Api, run: FakeRun, v: Identity, r: int) -> dict:
     return body
 
 
-def verdict(worker: Identity, digest: str, ok: bool) -> dict:
+def verdict(worker: Identity, digest: str, ok: bool, reason: str = "spot_check_failed"
+            ) -> dict:
     return {"worker": worker.public_key.hex(), "submission_digest": digest,
             "status": "accepted" if ok else "rejected",
-            "reason": "" if ok else "spot_check_failed",
+            "reason": "" if ok else reason,
             "detail": "" if ok else "segment 1: recomputed state differs by 0.8",
             "spot_checked": True, "distance": 0.0 if ok else 0.8, "checks": []}
 
@@ -95,7 +98,9 @@ def test_quorum_certifies_and_a_dissenting_validator_is_recorded(tmp_path):
     assert faults[0]["result_digest"] != faults[0]["certified_digest"]
 
 
-def test_failed_check_bans_and_forfeits_unvested_rewards(tmp_path):
+@pytest.mark.parametrize("reason", sorted(PENALIZED_REASONS))
+def test_failed_check_bans_and_forfeits_unvested_rewards(tmp_path, reason):
+    """A failed check and a withheld reveal are both proof: ban and forfeit alike."""
     run = make_fake_run("penalty-run")
     cheat, honest = Identity.generate("worker"), Identity.generate("worker")
     (v,) = run.validators
@@ -111,7 +116,8 @@ def test_failed_check_bans_and_forfeits_unvested_rewards(tmp_path):
             for w in (cheat, honest):
                 assert (await api.submit(subs[w.public_key.hex()], b"p" * (r + 3)))[0] == 201
             seed = beacon_seed_of((await post_share(api, run, v, r))["beacon"])
-            verdicts = sorted([verdict(cheat, subs[cheat.public_key.hex()].digest, cheat_ok),
+            verdicts = sorted([verdict(cheat, subs[cheat.public_key.hex()].digest, cheat_ok,
+                                       reason),
                                verdict(honest, subs[honest.public_key.hex()].digest, True)],
                               key=lambda x: x["worker"])
             rewards = {honest.public_key.hex(): 50.0 if cheat_ok else 100.0}

@@ -216,8 +216,7 @@ def filter_masked_round(
         if finite:
             distances[worker] = min(max(finite), 1e300)
         failed = [x for x in results if not x.ok]
-        extra = {"spot_checked": True, "distance": distances.get(worker),
-                 "checks": checks[worker]}
+        extra = {"spot_checked": True, "checks": checks[worker]}
         if bk is None or worker not in bk.board.survivors or bk.dropped is not None:
             if failed:
                 reject(worker, "spot_check_failed", f"{failure_where(failed[0])}: "

@@ -23,7 +23,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from veritrain.ledger.client import LedgerClient, LedgerRefused, fetch_base_files, fetch_run
+from veritrain.ledger.client import (
+    LedgerClient,
+    LedgerRefused,
+    LedgerUnavailable,
+    fetch_base_files,
+    fetch_run,
+)
 from veritrain.protocol.beacon import (
     beacon_root,
     sealed_list_digest_of,
@@ -68,6 +74,9 @@ from .sharded import (
 
 log = logging.getLogger("veritrain.validator")
 
+#: Faults on one round after which a validator stops trying to certify it.
+MAX_ROUND_FAULTS = 5
+
 
 @dataclass
 class ValidatorConfig:
@@ -95,6 +104,7 @@ class ValidatorNode:
         self.identity = identity
         self.me = identity.public_key.hex()
         self.stats: list[dict[str, Any]] = []  # one entry per certified round
+        self.faults: list[dict[str, Any]] = []  # what went wrong, by round (never fatal)
 
     async def run(self, *, max_rounds: int | None = None) -> None:
         async with LedgerClient(self.config.ledger_url, retry_for=self.config.retry_for) as client:
@@ -139,24 +149,46 @@ class ValidatorNode:
                 try:
                     await self.validate_round(client, run, info)
                 except LedgerRefused as exc:
-                    if exc.reason != "round_finalized":
-                        raise
-                    log.info("round %d was finalized without this validator: %s", r, exc.detail)
+                    if exc.reason == "round_finalized":
+                        log.info("round %d was finalized without this validator: %s", r,
+                                 exc.detail)
+                        continue
+                    self.fault(r, exc.reason, exc.detail, refused)
+                    await asyncio.sleep(self.config.poll_seconds)
                     continue
                 except RejectedInput as exc:
-                    if exc.reason not in ("invalid_board", "invalid_beacon"):
-                        raise
-                    log.error("round %d: not certifying it: %s", r, exc)
-                    refused.add(r)
+                    # Bad input from the ledger or a peer: recorded, never a reason to stop.
+                    self.fault(r, exc.reason, str(exc), refused, final=exc.reason in (
+                        "invalid_board", "invalid_beacon", "board_fault"))
+                    continue
+                except LedgerUnavailable as exc:
+                    log.warning("round %d: %s; trying again", r, exc)
+                    await asyncio.sleep(self.config.poll_seconds)
                     continue
                 done += 1
 
+    def fault(self, r: int, reason: str, detail: str, refused: set[int], *,
+              final: bool = False) -> None:
+        """Record why round ``r`` could not be processed; after ``MAX_ROUND_FAULTS`` (or a
+        final fault: a board or beacon that does not check out) the node stops trying to
+        certify it, and keeps following the run."""
+        self.faults.append({"round": r, "reason": reason, "detail": detail[:300]})
+        attempts = sum(1 for f in self.faults if f["round"] == r)
+        if final or attempts >= MAX_ROUND_FAULTS:
+            log.error("round %d: not certifying it (%s): %s", r, reason, detail)
+            refused.add(r)
+        else:
+            log.warning("round %d: %s (%s); trying again", r, reason, detail)
+        self.write_stats()
+
     def write_stats(self) -> None:
-        """Rewrite the stats file (traffic by kind, each round's timings), if one is set."""
+        """Rewrite the stats file (traffic by kind, each round's timings, faults), if one is
+        set."""
         if self.config.stats_path is None:
             return
         self.config.stats_path.write_text(json.dumps({
-            "role": "validator", "traffic": self.client.traffic.to_json(), "rounds": self.stats}))
+            "role": "validator", "traffic": self.client.traffic.to_json(), "rounds": self.stats,
+            "faults": self.faults}))
 
     async def beacon_seed(self, client: LedgerClient, spec: RunSpec, r: int,
                           sealed: list[Any] | None = None) -> bytes:

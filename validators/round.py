@@ -27,7 +27,7 @@ from veritrain.protocol.scoring import compute_scores, split_rewards
 
 from .checks import Candidate, admit, group_by_worker, norm_outliers
 from .probe import loss_regressions, probe_gains, probe_rows
-from .spot_checks import check_reveal, failure_where
+from .spot_checks import check_reveal, failure_reason, failure_where
 
 
 @dataclass
@@ -91,6 +91,8 @@ class FilteredRound:
     verdicts: dict[str, dict[str, Any]]
     by_worker: dict[str, Candidate]
     checks: dict[str, list[dict[str, Any]]]
+    #: Each checked worker's largest recomputation distance: for the node's logs and stats
+    #: only (floats differ between validators; certified verdicts carry outcomes).
     distances: dict[str, float]
     accepted: list[str]
     stacked: torch.Tensor | None
@@ -164,16 +166,15 @@ def filter_round(
             distances[worker] = min(max(finite), 1e300)
         failed = [x for x in results if not x.ok]
         if failed:
-            reject(by_worker[worker], "spot_check_failed",
+            reject(by_worker[worker], failure_reason(results),
                    f"{failure_where(failed[0])}: {failed[0].note}",
-                   spot_checked=True, distance=distances.get(worker), checks=checks[worker])
+                   spot_checked=True, checks=checks[worker])
             del decoded[worker]
 
     norms = {w: float(torch.linalg.vector_norm(u.double())) for w, u in decoded.items()}
     for worker, detail in norm_outliers(norms, spec.verification["norm_factor"]).items():
         reject(by_worker[worker], "norm_outlier", detail,
-               spot_checked=bool(checks.get(worker)), distance=distances.get(worker),
-               checks=checks.get(worker, []))
+               spot_checked=bool(checks.get(worker)), checks=checks.get(worker, []))
         del decoded[worker]
 
     probe_examples, probe_factor = spec.probe
@@ -182,8 +183,7 @@ def filter_round(
         gains = probe_gains(run, base_flat, decoded, rows, device=device)
         for worker, detail in loss_regressions(gains, probe_factor).items():
             reject(by_worker[worker], "loss_regression", detail,
-                   spot_checked=bool(checks.get(worker)), distance=distances.get(worker),
-                   checks=checks.get(worker, []))
+                   spot_checked=bool(checks.get(worker)), checks=checks.get(worker, []))
             del decoded[worker]
 
     accepted = sorted(decoded)
@@ -225,7 +225,7 @@ def finish_round(
     """
     spec = run.spec
     verdicts = dict(filtered.verdicts)
-    by_worker, checks, distances = filtered.by_worker, filtered.checks, filtered.distances
+    by_worker, checks = filtered.by_worker, filtered.checks
     accepted = filtered.accepted
     if aggregate is not None and filtered.stacked is not None:
         per_row = clip_quality(filtered.stacked, aggregate, filtered.tau)
@@ -246,7 +246,7 @@ def finish_round(
         verdicts[worker] = {
             "worker": worker, "submission_digest": c.signed.digest, "status": "accepted",
             "reason": "", "detail": "", "spot_checked": bool(checks.get(worker)),
-            "distance": distances.get(worker), "checks": checks.get(worker, []),
+            "distance": None, "checks": checks.get(worker, []),
         }
     kept = set(accepted)
     samples = {w: (by_worker[w].signed.message.samples if w in kept else 0) for w in verdicts}

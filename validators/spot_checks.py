@@ -25,7 +25,6 @@ them gives the payload's own codes inside them. Other codecs reveal both vectors
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +51,7 @@ from veritrain.protocol.training import (
     TrainingState,
     commitment_of,
     leaves_of_vector,
+    torch_threads,
     train_segment,
     train_step_at,
     vectors_distance,
@@ -70,13 +70,15 @@ class CheckResult:
     distance: float | None
     ok: bool
     note: str
+    missing: bool = False  # failed because the worker revealed nothing at all
 
     def to_json(self) -> dict[str, Any]:
-        distance = self.distance
-        if distance is not None and not math.isfinite(distance):
-            distance = 1e300
+        """The check as a certified verdict carries it: its outcome and a note, never the
+        distance. Validators with other thread counts, kernels or devices recompute
+        slightly different floats; the outcome and the note are what they agree on
+        (specs/protocol.md 7.5). The distance stays in :attr:`distance` for the node."""
         return {"kind": self.kind, "segment": self.segment, "start": self.start,
-                "end": self.end, "ef": self.ef, "distance": distance, "ok": self.ok,
+                "end": self.end, "ef": self.ef, "distance": None, "ok": self.ok,
                 "note": self.note[:200]}
 
 
@@ -163,7 +165,7 @@ def check_step(run: RunContext, base_flat: torch.Tensor, sub: Submission, j: int
             recomputed = [v[index] for v in end_state.vectors()]
         result.distance = vectors_distance(recomputed, claimed)
         if not result.distance <= run.spec.verification["tolerance"]:
-            result.note = f"recomputed state differs by {result.distance:.4g}"
+            result.note = "recomputed state differs beyond the tolerance"
             return result
         result.ok = True
     except (RejectedInput, KeyError) as exc:
@@ -220,6 +222,13 @@ def check_binding(run: RunContext, base_flat: torch.Tensor, sub: Submission, pay
     return result
 
 
+def failure_reason(results: list[CheckResult]) -> str:
+    """The verdict reason of failed checks: ``missing_reveal`` when the worker revealed
+    nothing, ``spot_check_failed`` otherwise (both proven: specs/scoring.md)."""
+    return "missing_reveal" if all(r.missing for r in results if not r.ok) else \
+        "spot_check_failed"
+
+
 def failure_where(result: CheckResult) -> str:
     """Where a failed check failed, for a verdict's detail."""
     return f"segment {result.segment}" if result.kind == "step" else "payload binding"
@@ -247,8 +256,17 @@ def check_reveal(run: RunContext, base_flat: torch.Tensor, sub: Submission,
     """Every check of one submission: its challenged segments, then the binding.
 
     A reveal that is missing or does not parse fails every check with the reason. In a
-    masked run the payload comes in the reveal (``payload`` is None).
+    masked run the payload comes in the reveal (``payload`` is None). Recomputation runs
+    with the run's ``recompute_threads`` CPU threads.
     """
+    with torch_threads(int(run.spec.verification.get("recompute_threads", 1))):
+        return _check_reveal(run, base_flat, sub, payload, segments, reveal, seed,
+                             device=device, masked=masked)
+
+
+def _check_reveal(run: RunContext, base_flat: torch.Tensor, sub: Submission,
+                  payload: bytes | None, segments: list[int], reveal: bytes | None,
+                  seed: bytes, *, device: str, masked: bool) -> list[CheckResult]:
     results: list[CheckResult] = []
     binding = ChallengePolicy.of_run(run.spec).binding
     if not segments and not binding:
@@ -257,7 +275,8 @@ def check_reveal(run: RunContext, base_flat: torch.Tensor, sub: Submission,
                            masked_payload=sub.payload_bytes if masked else None)
     failure = None
     parts: dict[str, torch.Tensor] = {}
-    if reveal is None:
+    missing = reveal is None
+    if missing:
         failure = "the worker revealed nothing"
     else:
         try:
@@ -271,14 +290,14 @@ def check_reveal(run: RunContext, base_flat: torch.Tensor, sub: Submission,
     for j in sorted(segments):
         if failure is not None:
             results.append(CheckResult("step", j, sub.trail[j - 1] if j > 0 else None,
-                                       sub.trail[j], None, None, False, failure))
+                                       sub.trail[j], None, None, False, failure, missing))
         else:
             results.append(check_step(run, base_flat, sub, j, parts, seed, device=device))
     if not binding:
         return results
     if failure is not None:
         results.append(CheckResult("binding", len(sub.trail), None, sub.trail[-1],
-                                   sub.ef_hash, None, False, failure))
+                                   sub.ef_hash, None, False, failure, missing))
     else:
         assert payload is not None
         results.append(check_binding(run, base_flat, sub, payload, parts, seed))

@@ -30,6 +30,7 @@ from veritrain.protocol.codecs import ErrorFeedback
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.organiser import RunBundle, build_run
 from veritrain.protocol.outer import OuterState
+from veritrain.protocol.rules import PENALIZED_REASONS
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import sha256_hex
 from veritrain.validators.checks import Candidate
@@ -227,7 +228,7 @@ class Swarm:
         for i, p in prepared.items():
             self.error_feedback[i] = p.error_feedback
         for v in outcome.verdicts:
-            if v["reason"] == "spot_check_failed":
+            if v["reason"] in PENALIZED_REASONS:
                 self.banned_until[v["worker"]] = r + run.spec.verification["ban_rounds"]
         self.base, self.outer = outcome.new_flat, outcome.new_outer
         self.base_hash = sha256_hex(run.encode_model(self.base))
