@@ -112,7 +112,7 @@ class ResultFacts:
     failed: set[str] | Deferred  # workers whose spot check failed
     submitted: dict[str, str] | Deferred  # worker -> its submission's digest
     #: worker -> reason, for verdicts that say the worker may not submit at all
-    excluded: dict[str, str] | Deferred = field(default_factory=dict)
+    excluded: dict[str, str] | Deferred
 
 
 Lists = tuple[list[dict[str, Any]], list[dict[str, Any]]]

@@ -273,7 +273,7 @@ def certified_result(r: int = 0, *, validator: int = 0, rewards: tuple[float, ..
     base = GENESIS if r == 0 else f"{r:02x}" * 32
     view = ResultView(RUN, r, VALIDATORS[validator], base, SEED, verdicts, scores, cert.to_body())
     facts = ResultFacts(digest_of(verdicts), digest_of(scores), sorted(SUBS), {SPOT_FAILED},
-                        dict(zip(WORKERS, SUBS, strict=True)))
+                        dict(zip(WORKERS, SUBS, strict=True)), {})
     return view, facts
 
 
