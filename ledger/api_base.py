@@ -24,6 +24,7 @@ from veritrain.protocol.errors import EncodingError
 from .blobs import BlobStore
 from .ingest import SubmissionBatcher
 from .ratelimit import charge_signer
+from .retention import RetentionPolicy
 from .store import LedgerStore
 from .uploads import (
     BodyClock,
@@ -62,6 +63,7 @@ STATUS_BY_REASON = {
     "not_challenged": 403,
     "reveal_late": 409,
     "wrong_submission": 409,
+    "pruned": 410,
 }
 
 
@@ -80,6 +82,9 @@ class LedgerConfig:
     # half-sent request may hold a connection (aiohttp's keep-alive timeout).
     uploads: UploadPolicy = field(default_factory=UploadPolicy)
     keepalive_seconds: float = 30.0
+    # Which blob files go once their round is old enough (retention.py); default: the
+    # reveal files and superseded models of rounds with 2 finalized rounds after them.
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
 
 
 @dataclass
@@ -93,6 +98,8 @@ class Ledger:
     readers: ThreadPoolExecutor
     #: Submissions that arrive while the writer is busy share its next transaction.
     batcher: SubmissionBatcher = field(init=False)
+    #: Set when a round is finalized: the background pruner (retention.py) waits on it.
+    finalized: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self.batcher = SubmissionBatcher(self.store, self.writer)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from veritrain.ledger.client import LedgerClient
+from veritrain.ledger.client import LedgerClient, LedgerRefused
 
 from .chain import ChainRow, body_bytes
 from .export import (
@@ -46,9 +46,12 @@ CHUNK_MIN_BYTES = 4 << 20
 
 def verify_events(rows: Iterable[ChainRow], ledger_key: bytes, *, full: bool = False,
                   views: list[dict[str, Any]] | None = None,
-                  processes: int | None = None) -> AuditResult:
-    """Verify a run's whole event log; names the first bad row (see verify.py)."""
-    return verify_log(list(rows), ledger_key, full=full, views=views, processes=processes)
+                  processes: int | None = None,
+                  pruned: list[dict[str, Any]] | None = None) -> AuditResult:
+    """Verify a run's whole event log; names the first bad row (see verify.py). ``pruned``:
+    the blobs the ledger lists as deleted by its retention policy, counted and checked."""
+    return verify_log(list(rows), ledger_key, full=full, views=views, processes=processes,
+                      pruned=pruned)
 
 
 def verify_export_file(path: Path, *, full: bool = False,
@@ -215,14 +218,38 @@ async def fetch_verdicts(client: LedgerClient, run_id: str) -> list[dict[str, An
     return out
 
 
+async def fetch_pruned(client: LedgerClient, run_id: str) -> list[dict[str, Any]] | None:
+    """Every blob the ledger lists as deleted by its retention policy; None from a ledger
+    that lists none (an older one, without the endpoint)."""
+    out: list[dict[str, Any]] = []
+    offset: int | None = 0
+    while offset is not None:
+        try:
+            page = await client.get_json(f"/v1/runs/{run_id}/pruned?offset={offset}"
+                                         f"&limit={PAGE}")
+        except LedgerRefused as exc:
+            if exc.status == 404 and not out:
+                return None
+            raise
+        rows = page.get("pruned") if isinstance(page, dict) else None
+        if not isinstance(rows, list):  # not a ledger that lists pruned blobs
+            return None
+        out.extend(rows)
+        offset = page.get("next_offset")
+    return out
+
+
 async def fetch_and_verify(client: LedgerClient, run_id: str, *, full: bool = False,
                            processes: int | None = None) -> AuditResult:
-    """Live audit: the chain first, then the verdict rows (rounds finalized later are skipped).
+    """Live audit: the chain first, then the verdict rows (rounds finalized later are skipped)
+    and the blobs pruned by the ledger's retention policy (read before the chain, so that
+    every round they name is in it).
 
     A row the ledger serves in a form that is not a row is named like any other bad row
     (after the rows before it, which may fail first).
     """
     ledger_key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
+    pruned = await fetch_pruned(client, run_id)
     try:
         rows = await fetch_events(client, run_id)
     except UnreadableRow as exc:
@@ -231,16 +258,22 @@ async def fetch_and_verify(client: LedgerClient, run_id: str, *, full: bool = Fa
             result.first_bad_seq, result.problem = exc.seq, exc.problem
         return result
     views = await fetch_verdicts(client, run_id)
-    return verify_events(rows, ledger_key, full=full, views=views, processes=processes)
+    return verify_events(rows, ledger_key, full=full, views=views, processes=processes,
+                         pruned=pruned)
 
 
 def format_result(result: AuditResult) -> str:
     if not result.ok:
         where = (f"row {result.first_bad_seq}: {result.problem}" if result.first_bad_seq
-                 is not None else f"{result.bad_view_row}")
+                 is not None else result.bad_view_row or result.bad_pruned)
         return f"FAILED at {where}"
     tail = (f"; {result.unsigned_tail} newest row(s) await the ledger's next checkpoint"
             if result.unsigned_tail else "")
+    if result.pruned_blobs:
+        tail += (f"; {result.pruned_blobs} blob(s), {result.pruned_bytes} bytes, gone by the "
+                 "ledger's retention policy (none of them evidence of a failed check)")
+    elif result.pruned_blobs == 0:
+        tail += "; no blob pruned"
     return (f"OK ({result.mode}): {result.rows} rows chained, {result.checkpoints} ledger "
             f"checkpoints, {result.signatures} writer signatures checked directly, "
             f"{result.covered_by_certificates} submissions vouched for by "

@@ -1,6 +1,6 @@
 """Read endpoints for auditors: paged and filtered lists, CSV and JSON exports, the
-event log, a worker's history, the run report, rejections, the signed export file,
-/metrics and the OpenAPI document (specs/ledger-api.md).
+event log, a worker's history, the run report, rejections, the blobs the retention policy
+pruned, the signed export file, /metrics and the OpenAPI document (specs/ledger-api.md).
 
 All reads are public. Whole-table exports stream: rows are read in batches on
 a thread of their own while earlier batches are sent.
@@ -21,7 +21,7 @@ from aiohttp import web
 from sqlalchemy.orm import Session
 from veritrain.protocol.errors import EncodingError
 
-from . import lists, queries
+from . import lists, queries, retention
 from .api_base import LEDGER, Ledger, int_param
 from .export import export_lines
 from .metrics import CONTENT_TYPE, METRICS, db_gauges, render
@@ -178,6 +178,15 @@ async def submissions(request: web.Request) -> web.Response:
         raise EncodingError("round must be a non-negative integer")
     return web.json_response(await ledger.read(
         lists.submissions_page, request.match_info["run_id"], worker, r, offset, limit))
+
+
+@routes.get("/v1/runs/{run_id}/pruned")
+async def pruned(request: web.Request) -> web.Response:
+    """The blobs the retention policy deleted (retention.py): gone by policy, not lost."""
+    ledger = request.app[LEDGER]
+    offset, limit = paging(request)
+    return web.json_response(await ledger.read(
+        retention.pruned_page, request.match_info["run_id"], offset, limit))
 
 
 @routes.get("/v1/runs/{run_id}/export")

@@ -142,6 +142,7 @@ class RoundState:
 
     index: int
     base: str
+    outer: str | None = None  # the base's outer state (None in round 0)
     submissions: dict[str, int] = field(default_factory=dict)  # digest -> row index
     closed: list[str] | None = None
     closed_row: int = -1  # the round_closed row
@@ -162,6 +163,7 @@ class RoundState:
     reveal_deadline: float | None = None
     #: worker -> (its spot_reveal row, the submission digest it names)
     reveals: dict[str, tuple[int, str]] = field(default_factory=dict)
+    reveal_files: dict[str, str] = field(default_factory=dict)  # worker -> reveal file hash
     last_reveal: tuple[int, str, str] | None = None  # (row, envelope digest, worker)
     bans: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     penalties: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
@@ -302,6 +304,7 @@ def process_spot_reveal(state: AuditState, index: int, reveal: SpotReveal, signe
     if reveal.submission_digest not in (rnd.closed or ()):
         raise Bad("reveal names a submission outside the round's sealed list")
     rnd.reveals[reveal.worker] = (index, reveal.submission_digest)
+    rnd.reveal_files[reveal.worker] = reveal.reveal_hash
     rnd.last_reveal = (index, digest, reveal.worker)
 
 
@@ -468,7 +471,8 @@ def process_round_opened(state: AuditState, index: int, body: dict[str, Any]) ->
         raise Bad(f"round {r} opened out of order")
     if body["base_model_hash"] != state.next_base:
         raise Bad("base model is not the one the last certificate vouches for")
-    state.current = state.rounds[r] = RoundState(r, body["base_model_hash"])
+    state.current = state.rounds[r] = RoundState(r, body["base_model_hash"],
+                                                 body.get("outer_state_hash"))
 
 
 def process_round_closed(state: AuditState, index: int, body: dict[str, Any]) -> None:
@@ -711,6 +715,86 @@ def check_run_finished(state: AuditState, index: int, body: dict[str, Any]) -> N
     """9.3 ledger records: "`run_finished` comes after the last round opened was finalized"."""
     if state.current is None or state.current.certified is None:
         raise Bad("run finished with a round not finalized")
+
+
+# ----------------------------------------------------------------------------- pruned blobs
+
+#: Verdict reasons whose reveal file is the evidence of a failed check (never pruned): the
+#: proven ones (``PENALIZED_REASONS``).
+EVIDENCE_REASONS = PENALIZED_REASONS
+
+
+def is_failed_check(status: str, reason: str, checks: Any) -> bool:
+    """A certified verdict that is the evidence of a failed check: a rejection for one of
+    :data:`EVIDENCE_REASONS`, or any recorded check that did not pass."""
+    if status == "rejected" and reason in EVIDENCE_REASONS:
+        return True
+    return isinstance(checks, list) and any(
+        isinstance(c, dict) and c.get("ok") is False for c in checks)
+
+
+def _failed_workers(rnd: RoundState) -> set[str]:
+    assert rnd.certified is not None
+    return {v["worker"] for v in rnd.certified.lists()[0]
+            if is_failed_check(v["status"], v["reason"], v.get("checks"))}
+
+
+def audit_pruned(state: AuditState, pruned: Iterable[dict[str, Any]]) -> tuple[int, int]:
+    """specs/protocol.md 9.7: the blobs the ledger lists as deleted by its retention policy
+    (``GET /v1/runs/{run}/pruned``), against the rows, after the pass. None may be a file
+    the policy keeps forever: the dataset, the genesis model, the latest certified model
+    and its outer state, the base of a round not finalized, a reveal file of a round not
+    finalized, or the evidence of a failed check (the failing worker's reveal file, the
+    base model and outer state of its round). Returns how many blobs and bytes are gone;
+    raises :class:`Bad` naming the first that should not be."""
+    spec = get_spec(state)
+    never = {spec.dataset_hash: "the run's dataset",
+             spec.genesis_model_hash: "the genesis model"}
+    last = max((r for r in state.rounds.values() if r.certified is not None),
+               key=lambda r: r.index, default=None)
+    if last is not None:
+        assert last.certified is not None
+        certified = last.certified.message.certified
+        never.setdefault(certified["model_hash"], "the latest certified model")
+        never.setdefault(certified["outer_state_hash"], "the latest certified outer state")
+    reveal_of: dict[str, tuple[RoundState, str]] = {}
+    base_of: dict[str, list[RoundState]] = {}
+    for rnd in state.rounds.values():
+        reveal_of.update((h, (rnd, w)) for w, h in rnd.reveal_files.items())
+        for h in (rnd.base, rnd.outer):
+            if h is not None:
+                base_of.setdefault(h, []).append(rnd)
+    failed: dict[int, set[str]] = {}
+
+    def failed_in(rnd: RoundState) -> set[str]:
+        if rnd.index not in failed:
+            failed[rnd.index] = _failed_workers(rnd)
+        return failed[rnd.index]
+
+    count = size = 0
+    for row in pruned:
+        digest, nbytes = row["sha256"], row["size"]
+        if not isinstance(digest, str) or type(nbytes) is not int:
+            raise Bad("pruned blobs: a row without its digest or size")
+        where = f"pruned blob {digest[:16]}"
+        if digest in never:
+            raise Bad(f"{where} is {never[digest]}, which is never pruned")
+        if digest in reveal_of:
+            rnd, worker = reveal_of[digest]
+            if rnd.certified is None:
+                raise Bad(f"{where} is a reveal file of round {rnd.index}, not finalized")
+            if worker in failed_in(rnd):
+                raise Bad(f"{where} is the reveal file of worker {worker[:16]} in round "
+                          f"{rnd.index}, whose check failed: evidence is never pruned")
+        for rnd in base_of.get(digest, ()):
+            if rnd.certified is None:
+                raise Bad(f"{where} is the base of round {rnd.index}, not finalized")
+            if failed_in(rnd):
+                raise Bad(f"{where} is the base of round {rnd.index}, whose failed check "
+                          "it is the evidence of: evidence is never pruned")
+        count += 1
+        size += nbytes
+    return count, size
 
 
 # ----------------------------------------------------------------------------- dispatch

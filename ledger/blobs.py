@@ -19,6 +19,13 @@ class HashMismatch(RejectedInput):
     reason = "payload_mismatch"
 
 
+class BlobPruned(RejectedInput):
+    """A blob whose file the retention policy deleted (retention.py): HTTP 410, reason
+    ``pruned``, on the server; raised by the client's ``get_blob`` with the server's words."""
+
+    reason = "pruned"
+
+
 class BlobWriter:
     """Incremental writer: feed chunks, then :meth:`commit` with the expected hash."""
 
@@ -63,11 +70,14 @@ class BlobWriter:
 
 
 class BlobStore:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, owner: bool = True) -> None:
+        """``owner``: the ledger process that owns ``root`` (it discards the uploads a
+        crash left); another process beside it (``veritrain ledger prune``) leaves them."""
         self.root = root
         self.tmp_dir = root / "tmp"
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
-        self.discard_partial_uploads()
+        if owner:
+            self.discard_partial_uploads()
 
     def discard_partial_uploads(self) -> int:
         """Remove temp files left by uploads cut short by a crash (one ledger process owns
@@ -95,3 +105,21 @@ class BlobStore:
 
     def read(self, digest: str) -> bytes:
         return self.path_for(digest).read_bytes()
+
+    def size_of(self, digest: str) -> int | None:
+        """The file's size, or None when there is no file (never stored, pruned or lost)."""
+        try:
+            return self.path_for(digest).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def remove(self, digest: str) -> int:
+        """Delete the file (retention.py prunes only what it recorded first); the bytes
+        freed, 0 when it was already gone."""
+        path = self.path_for(digest)
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return 0
+        return size

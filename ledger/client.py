@@ -4,8 +4,11 @@ needs to follow a run through it.
 Transient failures (connection refused or reset, timeouts, 429, 5xx) are
 retried with exponential backoff and jitter until ``retry_for`` seconds have
 passed; refusals (other 4xx) raise :class:`LedgerRefused` at once with the
-problem's ``reason``. Downloaded blobs are checked against their content hash
-and a size bound before they are returned. A node never adopts a run spec
+problem's ``reason``. A blob the ledger's retention policy deleted (410 ``pruned``)
+raises :class:`BlobPruned`, a ``RejectedInput`` carrying the ledger's explanation, so
+that ``veritrain audit recheck`` of a round whose reveal is gone ends in that one line
+rather than recomputing without the file. Downloaded blobs are checked against their
+content hash and a size bound before they are returned. A node never adopts a run spec
 without the organiser's signature (:func:`fetch_run`), nor a base model without
 the certificate that vouches for it (:func:`fetch_base_files`; the genesis
 model is vouched for by the signed spec itself).
@@ -32,6 +35,8 @@ from veritrain.protocol.certificates import certified_base
 from veritrain.protocol.encoding import encode_canonical
 from veritrain.protocol.errors import OversizedError, PayloadError, RejectedInput
 from veritrain.protocol.messages import RunSpec, open_signed
+
+from .blobs import BlobPruned
 
 if TYPE_CHECKING:
     from veritrain.protocol.organiser import RunBundle
@@ -157,9 +162,14 @@ class LedgerClient:
             raise _Transient(f"it answered HTTP {resp.status}")
         try:
             body = json.loads(text)
-            raise LedgerRefused(resp.status, str(body.get("reason")), str(body.get("detail")))
+            reason, detail = str(body.get("reason")), str(body.get("detail"))
         except (ValueError, AttributeError):
             raise LedgerRefused(resp.status, "http_error", text[:200]) from None
+        if resp.status == 410 and reason == "pruned":
+            # Not a refusal to work around: the file is gone by the ledger's retention
+            # policy, and whoever needed it (audit recheck) says so and stops.
+            raise BlobPruned(detail)
+        raise LedgerRefused(resp.status, reason, detail)
 
     async def get_json(self, path: str) -> Any:
         async def attempt() -> Any:

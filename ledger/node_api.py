@@ -34,7 +34,7 @@ from veritrain.protocol.messages import (
 )
 from veritrain.protocol.secagg import words_file_bytes
 
-from . import queries
+from . import queries, retention
 from .api_base import (
     LEDGER,
     MAX_MESSAGE_BYTES,
@@ -179,7 +179,10 @@ async def post_result(request: web.Request) -> web.Response:
                                  ("update", cert.update_hash, "update")):
         digest, size = await part_to_blob(request, reader, name, MAX_MODEL_BYTES, expected)
         await ledger.write(ledger.store.record_blob, digest, size, kind, res.run_id)
-    return web.json_response(await ledger.write(ledger.store.post_result, signed), status=201)
+    reply = await ledger.write(ledger.store.post_result, signed)
+    if reply.get("certificate"):
+        ledger.finalized.set()  # the pruner's turn (retention.py), off this request's path
+    return web.json_response(reply, status=201)
 
 
 @routes.get("/v1/runs/{run_id}/rounds/{round}/results")
@@ -368,6 +371,10 @@ async def get_blob(request: web.Request) -> web.StreamResponse:
         raise RejectedInput("payload is sealed until its round closes", "sealed")
     path = ledger.blobs.path_for(digest)
     if not path.exists():
+        # Gone by policy (410, recorded) or lost (404): the two are never confused.
+        pruned = await ledger.read(retention.pruned_row, digest)
+        if pruned is not None:
+            raise retention.gone(pruned)
         raise RejectedInput(f"blob {digest} is recorded but its file is missing", "not_found")
     return web.FileResponse(path, headers={"Content-Type": "application/octet-stream",
                                            "Cache-Control": "public, max-age=31536000, immutable"})

@@ -52,6 +52,10 @@ SCHEMAS: dict[str, Any] = {
                          "samples": INT, "score": NUM, "reward": NUM, "penalties": INT}),
     "SubmissionRow": obj({"round": INT, "worker": STR, "digest": HEX64, "payload_hash": HEX64,
                           "payload_bytes": INT, "samples": INT, "received_at": NUM}),
+    "PrunedBlob": obj({"sha256": HEX64, "kind": {"type": "string",
+                                                  "enum": ["reveal", "model", "outer_state"]},
+                       "round": INT, "worker": nullable(HEX64), "size": INT, "pruned_at": NUM,
+                       "policy": STR}),
     "Rejection": obj({"round": nullable(INT), "signer": nullable(STR), "endpoint": STR,
                       "reason": STR, "detail": STR, "at": NUM}),
     "Event": obj({"seq": INT, "kind": STR, "prev_hash": HEX64, "hash": HEX64,
@@ -72,6 +76,7 @@ def _page(name: str, item: str) -> dict[str, Any]:
 SCHEMAS["VerdictPage"] = _page("verdicts", "Verdict")
 SCHEMAS["WorkerTotalsPage"] = _page("workers", "WorkerTotals")
 SCHEMAS["SubmissionPage"] = _page("submissions", "SubmissionRow")
+SCHEMAS["PrunedPage"] = _page("pruned", "PrunedBlob")
 
 RUN = {"name": "run_id", "in": "path", "required": True, "schema": STR}
 ROUND = {"name": "round", "in": "path", "required": True,
@@ -259,11 +264,12 @@ def _paths() -> dict[str, Any]:
              **problems(401, 403, 404, 409, 413)},
             multipart({"envelope": "signed SpotReveal", "reveal": "the reveal file"}),
             tag="write")},
-        "/v1/blobs/{digest}": {"get": op("a content-addressed blob (sealed payloads: 403)",
-                                         [DIGEST], {"200": {"description": "the blob", "content": {
-                                             "application/octet-stream": {"schema": {
-                                                 "type": "string", "format": "binary"}}}},
-                                             **problems(403, 404)})},
+        "/v1/blobs/{digest}": {"get": op(
+            "a content-addressed blob (sealed payloads: 403; deleted by the retention "
+            "policy: 410, reason pruned)",
+            [DIGEST], {"200": {"description": "the blob", "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+                **problems(403, 404, 410)})},
         run + "/workers/{worker}": {"get": op(
             "one worker's submissions, verdicts, penalties and totals",
             [RUN, WORKER_PATH, *PAGING],
@@ -305,6 +311,9 @@ def _paths() -> dict[str, Any]:
         run + "/submissions": {"get": op("submissions recorded, paged",
                                          [RUN, F_WORKER, F_ROUND, *PAGING],
                                          {**ok(ref("SubmissionPage")), **problems(404)})},
+        run + "/pruned": {"get": op(
+            "the blobs the ledger's retention policy deleted (their hashes stay in the chain), "
+            "by round, paged", [RUN, *PAGING], {**ok(ref("PrunedPage")), **problems(404)})},
         run + "/export": {"get": op(
             "the signed history as JSON lines, for offline `audit verify --export`", [RUN],
             {"200": {"description": "header, events, verdicts, end line",

@@ -309,3 +309,27 @@ class SecaggMessage(Base):
     digest: Mapped[str] = mapped_column(String(64))
     body: Mapped[bytes] = mapped_column(StoredBytes)
     received_at: Mapped[float] = mapped_column(Float)
+
+
+class PrunedBlob(Base):
+    """A blob file the retention policy deleted (specs/protocol.md 9.7).
+
+    The chain keeps every hash; this row says the file behind one is gone by policy (which
+    policy, when, and what it was: a reveal file of ``worker`` in ``round``, or the model or
+    outer state that was the base of ``round``), so that anyone can tell a blob gone by
+    policy from a blob lost. Written before the file is deleted; never removed.
+    """
+
+    __tablename__ = "pruned_blobs"
+    __table_args__ = (
+        Index("ix_pruned_blobs_sha256", "sha256"),
+        Index("ix_pruned_blobs_round", "run_id", "round"),
+    )
+    run_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    round: Mapped[int] = mapped_column(Integer)
+    worker: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    pruned_at: Mapped[float] = mapped_column(Float)
+    policy: Mapped[str] = mapped_column(String(64))

@@ -32,6 +32,10 @@ async def serve(config: LedgerConfig, host: str, port: int, ready_file: Path | N
     url = f"http://{host}:{bound}"
     log.info("ledger %s listening on %s (database %s)", identity.public_key.hex()[:12], url,
              config.db_url)
+    policy = config.retention
+    log.info("blob retention: %s", "every blob kept (--keep-blobs)" if policy.keep_blobs else
+             f"reveal files and superseded models go {policy.audit_window} finalized round(s) "
+             "after their round; the chain, payloads, updates and failed checks' evidence stay")
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"url": url, "ledger_key": identity.public_key.hex()}))

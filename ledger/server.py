@@ -5,7 +5,8 @@ people) are thin handlers over :class:`LedgerStore`: they decode, call the store
 single writer thread (reads go to a small reader pool), and encode the reply. Every
 refusal is an ``application/problem+json`` body with a stable ``reason`` and is recorded
 in the ``rejections`` table (:func:`problems_middleware`); an unexpected error is logged
-and answered 500 without details.
+and answered 500 without details. Beside the requests run the round ticker, the
+checkpoint signer and the blob pruner (:class:`BackgroundPruner`, retention.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,7 +22,7 @@ from aiohttp import web
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
 
-from . import audit_api, node_api, web_page
+from . import audit_api, node_api, retention, web_page
 from .api_base import (
     LEDGER,
     MAX_MESSAGE_BYTES,
@@ -36,9 +38,10 @@ from .metrics import METRICS, Metrics, metrics_middleware
 from .ratelimit import LIMITS, RateLimits, ratelimit_middleware
 from .store import LedgerStore
 
-__all__ = ["LEDGER", "LedgerConfig", "make_app", "problems_middleware"]
+__all__ = ["LEDGER", "PRUNER", "LedgerConfig", "make_app", "problems_middleware"]
 
 log = logging.getLogger("veritrain.ledger")
+
 
 
 @web.middleware
@@ -112,6 +115,8 @@ def make_app(config: LedgerConfig, identity: Identity) -> web.Application:
     app = web.Application(client_max_size=MAX_MESSAGE_BYTES, middlewares=[
         metrics_middleware, ratelimit_middleware, problems_middleware, media_type_middleware])
     app[LEDGER] = ledger
+    if not config.retention.keep_blobs:
+        app[PRUNER] = BackgroundPruner(ledger)
     app[METRICS] = Metrics()
     app[LIMITS] = RateLimits.build(config.ip_rate, config.ip_burst, config.key_rate,
                                    config.key_burst)
@@ -120,6 +125,7 @@ def make_app(config: LedgerConfig, identity: Identity) -> web.Application:
     app.add_routes(web_page.routes)
     app.cleanup_ctx.append(_ticker)
     app.cleanup_ctx.append(_checkpoint_signer)
+    app.cleanup_ctx.append(_pruner)  # stopped first: before the writer shuts down
     return app
 
 
@@ -143,3 +149,76 @@ async def _checkpoint_signer(app: web.Application) -> AsyncIterator[None]:
         await task
     with contextlib.suppress(RuntimeError):  # the writer may already be shut down
         await ledger.write(checkpointer.sign_pending, ledger.store.sessions)
+
+
+class BackgroundPruner:
+    """The server's pruning: a pass at start and after each finalized round (node_api sets
+    ``ledger.finalized``), off the request path. The plan is read on a reader thread (only
+    the rounds that left the window since the last pass), each batch of at most
+    ``retention.BATCH`` files is recorded in one short writer transaction and then deleted on
+    a thread of its own; the log says what went and what stays on disk."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.policy: retention.RetentionPolicy = ledger.config.retention
+        self.done: dict[str, int] = {}
+        self.passes = 0
+        self._busy = False
+
+    async def run_forever(self) -> None:
+        event = self.ledger.finalized
+        event.set()  # catch up at start (and apply a changed window)
+        while True:
+            await event.wait()
+            event.clear()
+            self._busy = True
+            try:
+                await self.run_pass()
+            except Exception:
+                log.exception("pruning blobs failed; the next finalized round tries again")
+            finally:
+                self._busy = False
+
+    async def run_pass(self) -> retention.PruneReport:
+        ledger = self.ledger
+        todo = await ledger.read(
+            lambda s: retention.plan(s, ledger.blobs, self.policy, done=self.done))
+        freed = recorded = 0
+        for batch in retention.batches(todo.candidates):
+            recorded += await ledger.write(retention.record_batch, ledger.store.sessions,
+                                           batch, self.policy, ledger.store.clock())
+            freed += await asyncio.to_thread(retention.delete_files, ledger.blobs, batch)
+        self.done.update(todo.through)
+        self.passes += 1
+        report = retention.PruneReport(self.policy, todo.candidates, freed, recorded,
+                                       await ledger.read(retention.usage))
+        if todo.candidates:
+            for line in report.lines():
+                log.info("pruned: %s", line)
+        return report
+
+    async def settle(self, timeout: float = 30.0) -> None:
+        """Wait until no pass is due or running (tests)."""
+        deadline = time.monotonic() + timeout
+        while self.ledger.finalized.is_set() or self._busy:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the pruner did not settle")
+            await asyncio.sleep(0.02)
+
+
+#: The app's background pruner (absent with ``--keep-blobs``).
+PRUNER = web.AppKey("pruner", BackgroundPruner)
+
+
+async def _pruner(app: web.Application) -> AsyncIterator[None]:
+    """Delete the blob files the retention policy lets go, after each finalized round
+    (retention.py); nothing with ``--keep-blobs``."""
+    pruner = app.get(PRUNER)
+    if pruner is None:
+        yield
+        return
+    task = asyncio.create_task(pruner.run_forever())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -127,10 +127,16 @@ class AuditResult:
     view_rows: int = 0
     kinds: dict[str, int] = field(default_factory=dict)
     totals: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Blobs the ledger says its retention policy deleted (None: it did not say), their
+    #: bytes, and the first that is not the policy's to delete (protocol.md 9.7).
+    pruned_blobs: int | None = None
+    pruned_bytes: int = 0
+    bad_pruned: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.first_bad_seq is None and self.bad_view_row is None
+        return (self.first_bad_seq is None and self.bad_view_row is None
+                and self.bad_pruned is None)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__) | {"ok": self.ok}
@@ -1004,14 +1010,30 @@ def verify_scans(scans: Sequence[Scan], rows: RowsAt | None, ledger_key: bytes, 
 
 def verify_log(rows: Sequence[ChainRow], ledger_key: bytes, *, full: bool = False,
                views: Sequence[dict[str, Any]] | None = None,
-               processes: int | None = None) -> AuditResult:
-    """Verify one run's whole event log (and optionally its served verdict rows)."""
+               processes: int | None = None,
+               pruned: Sequence[dict[str, Any]] | None = None) -> AuditResult:
+    """Verify one run's whole event log (and optionally its served verdict rows and the
+    blobs the ledger lists as pruned by its retention policy)."""
     with gc_paused():
         done = verify_scans([scan_rows(rows, full=full)], rows, ledger_key, full=full,
                             processes=processes)
         if done.out.ok and views is not None:
             check_views(done.out, done.passed.expected_views(), views)
+        if done.out.ok and pruned is not None:
+            check_pruned_blobs(done.out, done.passed.state, pruned)
     return done.out
+
+
+def check_pruned_blobs(out: AuditResult, state: AuditState,
+                       pruned: Sequence[dict[str, Any]]) -> None:
+    """The pruned blobs counted, and each checked against the rows (``audit_pruned``)."""
+    out.pruned_blobs = len(pruned)
+    out.pruned_bytes = sum(row.get("size", 0) for row in pruned
+                           if isinstance(row, dict) and type(row.get("size")) is int)
+    try:
+        rules.audit_pruned(state, pruned)
+    except (Bad, *ROW_ERRORS, AttributeError) as exc:
+        out.bad_pruned = str(exc) if isinstance(exc, Bad) else f"pruned blobs: {exc!r}"
 
 
 def check_views(out: AuditResult, expected: dict[tuple[int, str], dict[str, Any]],

@@ -26,8 +26,8 @@ def veritrain(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("command", [
-    ["keygen"], ["run", "create"], ["ledger", "serve"], ["worker"], ["validator"], ["audit"],
-    ["demo"],
+    ["keygen"], ["run", "create"], ["ledger", "serve"], ["ledger", "prune"], ["worker"],
+    ["validator"], ["audit"], ["demo"],
 ])
 def test_every_subcommand_has_help(command, capsys):
     with pytest.raises(SystemExit) as exc:

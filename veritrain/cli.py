@@ -159,6 +159,7 @@ def cmd_run_create(args: argparse.Namespace) -> int:
 def cmd_ledger_serve(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
+    from veritrain.ledger.retention import RetentionPolicy
     from veritrain.ledger.serve import default_db_url, serve
     from veritrain.ledger.server import LedgerConfig
     from veritrain.ledger.uploads import UploadPolicy
@@ -170,7 +171,8 @@ def cmd_ledger_serve(args: argparse.Namespace) -> int:
         ip_rate=args.ip_rate, ip_burst=args.ip_burst, key_rate=args.key_rate,
         key_burst=args.key_burst,
         uploads=UploadPolicy(idle_seconds=args.upload_idle, min_bytes_per_s=args.upload_min_rate),
-        keepalive_seconds=args.keepalive)
+        keepalive_seconds=args.keepalive,
+        retention=RetentionPolicy(_audit_window(args.audit_window), keep_blobs=args.keep_blobs))
     try:
         asyncio.run(serve(config, args.host, args.port,
                           Path(args.ready_file) if args.ready_file else None))
@@ -182,6 +184,45 @@ def cmd_ledger_serve(args: argparse.Namespace) -> int:
     except SQLAlchemyError as exc:
         raise SystemExit(f"cannot use the ledger database {config.db_url}: "
                          f"{str(exc).splitlines()[0]}") from None
+    return 0
+
+
+def _audit_window(value: int) -> int:
+    if value < 0:
+        raise SystemExit("--audit-window counts finalized rounds: 0 or more")
+    return value
+
+
+def cmd_ledger_prune(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+    from sqlalchemy.orm import sessionmaker
+
+    from veritrain.ledger import migrate
+    from veritrain.ledger.blobs import BlobStore
+    from veritrain.ledger.retention import RetentionPolicy, prune
+    from veritrain.ledger.serve import default_db_url
+    from veritrain.ledger.store import make_engine
+
+    data_dir = Path(args.data_dir)
+    if not (data_dir / "blobs").is_dir():
+        raise SystemExit(f"{data_dir} holds no ledger blobs (no {data_dir / 'blobs'}); "
+                         "give the --data-dir of `veritrain ledger serve`")
+    url = args.db or default_db_url(data_dir)
+    policy = RetentionPolicy(_audit_window(args.audit_window))
+    try:
+        engine = make_engine(url)
+        migrate.upgrade(engine)
+        try:
+            report = prune(sessionmaker(engine, expire_on_commit=False),
+                           BlobStore(data_dir / "blobs", owner=False), policy, dry_run=args.dry_run,
+                           run_id=args.run)
+        finally:
+            engine.dispose()
+    except SQLAlchemyError as exc:
+        raise SystemExit(f"cannot use the ledger database {url}: "
+                         f"{str(exc).splitlines()[0]}") from None
+    for line in report.lines():
+        print(line)
     return 0
 
 
@@ -326,7 +367,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes per second a body must average after a 10 s grace")
     s.add_argument("--keepalive", type=float, default=30.0,
                    help="seconds an idle connection, or one whose headers never finish, is kept")
+    s.add_argument("--audit-window", type=int, default=2, metavar="ROUNDS",
+                   help="delete a round's reveal files and superseded models once ROUNDS more "
+                   "rounds are finalized (default 2; the chain, payloads, the evidence of "
+                   "failed checks and the models nodes need are kept)")
+    s.add_argument("--keep-blobs", action="store_true",
+                   help="never delete a blob file (no pruning at all)")
     s.set_defaults(func=cmd_ledger_serve)
+
+    pr = led.add_parser("prune", parents=[verbose],
+                        help="delete old reveal files and superseded models now",
+                        description="Apply the retention policy to a ledger's data "
+                        "directory now (the server also does after each finalized round): "
+                        "record, then delete, the reveal files and superseded models of "
+                        "rounds with --audit-window finalized rounds after them, and print "
+                        "the bytes freed and kept.")
+    pr.add_argument("--data-dir", default="veritrain-ledger",
+                    help="the ledger's data directory (as for serve)")
+    pr.add_argument("--db", help="SQLAlchemy URL (default: SQLite file in --data-dir)")
+    pr.add_argument("--audit-window", type=int, default=2, metavar="ROUNDS",
+                    help="finalized rounds a round's files outlive it (default 2)")
+    pr.add_argument("--run", help="only this run")
+    pr.add_argument("--dry-run", action="store_true",
+                    help="print what would go; delete and record nothing")
+    pr.set_defaults(func=cmd_ledger_prune)
 
     for name, func, helptext in (
         ("worker", cmd_worker, "join a run: train, submit signed pseudo-gradients"),
