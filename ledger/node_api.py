@@ -246,8 +246,15 @@ async def post_shard_result(request: web.Request) -> web.Response:
         raise RejectedInput(f"result file is {size} bytes, the publication says "
                             f"{msg.result_bytes}", "malformed")
     await ledger.write(ledger.store.record_blob, digest, size, "shard", msg.run_id)
-    return web.json_response(await ledger.write(ledger.store.post_shard_result, signed),
-                             status=201)
+    try:
+        reply = await ledger.write(ledger.store.post_shard_result, signed)
+    except RejectedInput:
+        # Another publication of this shard won the race since the precheck: no file stays
+        # that no stored publication names.
+        if await ledger.write(ledger.store.forget_unclaimed_shard_file, msg.run_id, digest):
+            ledger.blobs.remove(digest)
+        raise
+    return web.json_response(reply, status=201)
 
 
 @routes.post("/v1/runs/{run_id}/rounds/{round}/shards/check")

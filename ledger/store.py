@@ -486,6 +486,24 @@ class LedgerStore:
         """A validator's shard result (its tensor file is stored already)."""
         return self._shard_post(signed, "shard result", shards.accept_result, "shard_result")
 
+    def forget_unclaimed_shard_file(self, run_id: str, file_hash: str) -> bool:
+        """After a refused shard publication whose file was already stored (two different
+        publications of one shard that both passed the precheck: the loser's file): drop
+        its blob row unless a stored publication of the run names that file. True when
+        the caller should delete the file."""
+        with self.sessions.begin() as s:
+            for body in s.execute(select(t.ShardMessage.body).where(
+                    t.ShardMessage.run_id == run_id, t.ShardMessage.kind == "result")
+            ).scalars():
+                if open_signed(decode_canonical(bytes(body)), ShardPublication
+                               ).message.result_hash == file_hash:
+                    return False
+            blob = s.get(t.Blob, file_hash)
+            if blob is None or blob.kind != "shard":
+                return False
+            s.delete(blob)
+            return True
+
     def post_shard_check_share(self, signed: Signed[ShardCheckShare]) -> dict[str, Any]:
         """A BLS share over the published results; the first fixes the list, a quorum the seed."""
         return self._shard_post(signed, "shard check share", shards.accept_check_share,

@@ -18,6 +18,7 @@ from ledger_backends import make_fixture
 from ledger_harness import Api, run_api
 from veritrain.ledger.audit import fetch_events, verify_events
 from veritrain.ledger.client import LedgerClient
+from veritrain.ledger.store import LedgerStore
 from veritrain.protocol.beacon import (
     beacon_root,
     compute_beacon_seed,
@@ -57,7 +58,7 @@ def _finding(v: Identity, about: Identity, shard: int, digest: str) -> ShardFind
                               replacement_digest="2" * 64, max_abs_deviation=0.5)
 
 
-def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url):
+def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypatch):
     run = make_fake_run(RUN, n_validators=3, quorum=2,
                         aggregator={"name": "centered_clip", "params": {"tau_rel": 1.0},
                                     "shards": 3})
@@ -89,6 +90,11 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url):
         other_file = ShardPublication(**{**pub0.to_body(),
                                          "result_hash": hashlib.sha256(b"z").hexdigest()})
         out["other_file"] = await post_result(api, v0, other_file, b"z")
+        # Two different publications racing: both pass the precheck, the loser's file was
+        # stored before the board refused it, and must not stay behind.
+        with monkeypatch.context() as m:
+            m.setattr(LedgerStore, "precheck_shard_result", lambda self, signed: None)
+            out["raced"] = await post_result(api, v0, _publication(v0, 0, b"r"), b"r")
         out["wrong_shard"] = await post_result(api, v0, _publication(v0, 1, b"c"), b"c")
         out["stranger"] = await post_result(api, worker, _publication(worker, 1, b"d"), b"d")
         out["size_lie"] = await post_result(api, v1, _publication(v1, 1, b"e"), b"ee")
@@ -129,6 +135,7 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url):
     assert code["again"] == 201 and out["again"][1]["already"]
     assert (code["other_digest"], reason["other_digest"]) == (409, "duplicate")
     assert (code["other_file"], reason["other_file"]) == (409, "duplicate")
+    assert (code["raced"], reason["raced"]) == (409, "duplicate")
     assert (code["wrong_shard"], reason["wrong_shard"]) == (403, "wrong_shard")
     assert code["stranger"] == 403
     assert code["size_lie"] == 400
@@ -154,5 +161,5 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url):
     assert hashlib.sha256(b"a").hexdigest() in stored
     refused = {k: hashlib.sha256(blob).hexdigest() for k, blob in
                (("other_digest", b"b"), ("other_file", b"z"), ("wrong_shard", b"c"),
-                ("late", b"f"))}
+                ("late", b"f"), ("raced", b"r"))}
     assert not set(refused.values()) & stored, "a refused result's file was kept"
