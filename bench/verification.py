@@ -260,10 +260,12 @@ _BY_DISTANCE = "recomputed state differs"
 
 
 def checks_of(results: Iterable[CheckResult | Mapping[str, Any]]) -> list[Check]:
-    """One :class:`Check` per step check of one submission's results (``CheckResult`` or
-    their ``to_json``, as in a verdict), each with the binding's outcome folded in. A step
-    check that failed only by its distance counts as passed (its distance tells)."""
-    rows = [r.to_json() if isinstance(r, CheckResult) else dict(r) for r in results]
+    """One :class:`Check` per step check of one submission's results (``CheckResult``, or
+    their ``to_json`` as a verdict certifies them, without the distance), each with the
+    binding's outcome folded in. A step check that failed only by its distance counts as
+    passed (its distance tells)."""
+    rows = [r.to_json() | {"distance": r.distance} if isinstance(r, CheckResult) else dict(r)
+            for r in results]
     bindings = [r for r in rows if r["kind"] == "binding"]
     binding_ok = all(bool(r["ok"]) for r in bindings)
     binding_notes = [f"binding: {r['note']}" for r in bindings if not r["ok"]]
@@ -278,14 +280,22 @@ def checks_of(results: Iterable[CheckResult | Mapping[str, Any]]) -> list[Check]
     return out
 
 
+def recomputing_with(run: RunContext, threads: int) -> RunContext:
+    """``run`` whose validators recompute with ``threads`` CPU threads (the spec's
+    ``recompute_threads``, which ``check_reveal`` pins)."""
+    verification = {**run.spec.verification, "recompute_threads": threads}
+    return dataclasses.replace(run, spec=dataclasses.replace(run.spec, verification=verification))
+
+
 def check_claim(claim: Claim, j: int, *, threads: int | None = None, device: str = "cpu",
                 seed: bytes = BENCH_SEED) -> list[CheckResult]:
     """The validator's :func:`check_reveal` on segment ``j`` of ``claim`` (and the binding),
-    with the reveal the worker writes from its evidence for that challenge."""
-    with num_threads(threads or torch.get_num_threads()):
-        reveal = reveal_bytes(claim.evidence, seed, [j], claim.sub)
-        return check_reveal(claim.run, claim.base, claim.sub, claim.payload, [j], reveal, seed,
-                            device=device)
+    with the reveal the worker writes from its evidence for that challenge, recomputed with
+    ``threads`` threads (default: the current count)."""
+    threads = threads or torch.get_num_threads()
+    reveal = reveal_bytes(claim.evidence, seed, [j], claim.sub)
+    return check_reveal(recomputing_with(claim.run, threads), claim.base, claim.sub,
+                        claim.payload, [j], reveal, seed, device=device)
 
 
 def judge(claim: Claim, j: int, *, threads: int | None = None, device: str = "cpu",

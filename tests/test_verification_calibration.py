@@ -272,7 +272,7 @@ def test_the_instrumented_swarm_times_the_real_checks():
     honest = [v for v in outcome.verdicts if v["worker"] != rider]
     assert all(v["status"] == "accepted" for v in honest)
     assert [v["reason"] for v in outcome.verdicts if v["worker"] == rider] == [
-        "spot_check_failed"]
+        "missing_reveal"]  # nothing kept to open: a withheld reveal
     assert timers.worker_rounds == 2 and timers.worker_steps == 20
     assert timers.segments_checked == sum(len(v["checks"]) - 1 for v in honest) == 4
     assert timers.bindings_checked == 2 and timers.reveals == 2
