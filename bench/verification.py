@@ -664,6 +664,8 @@ class Timers:
     """Wall-clock and CPU seconds (``time.process_time``: this process only, so other
     people's load on a shared machine counts far less) of the swarm's parts."""
 
+    #: The round processing's CheckResults, by worker, one list per checked submission.
+    results: dict[str, list[list[Any]]] = field(default_factory=dict)
     worker_train: float = 0.0
     worker_train_cpu: float = 0.0
     worker_prepare: float = 0.0
@@ -782,6 +784,7 @@ def instrumented(timers: Timers, skip_workers: set[str],
                 out = original(run, base, sub, payload, segments, *args, **kwargs)
             finally:
                 in_round[0] -= 1
+            timers.results.setdefault(sub.worker, []).append(list(out))
             if sub.worker not in skip_workers:
                 timers.validator_checks += time.perf_counter() - start
                 timers.validator_checks_cpu += time.process_time() - cpu
@@ -948,10 +951,14 @@ def run_benchmark(plan: Plan) -> int:
 
     with instrumented(timers, {free_rider}, observe):
         swarm_result = swarm.train(plan.rounds, on_round=on_round)
-    for v in swarm_checks:
-        for c in checks_of(v["checks"]):
-            results.add("honest", f"same settings (swarm validator), k={run.inner.trail_every}",
-                        c)
+    # The swarm validator's own CheckResults (its certified verdicts carry no distance).
+    for worker, rounds in timers.results.items():
+        for checked in rounds if worker != free_rider else ():
+            for c in checks_of(checked):
+                results.add("honest",
+                            f"same settings (swarm validator), k={run.inner.trail_every}", c)
+    rejected = [v["reason"] for v in swarm_checks if v["status"] != "accepted"]
+    _log(f"honest workers rejected in the swarm: {len(rejected)} {sorted(set(rejected))}")
     for v in (v for o in swarm_result.outcomes for v in o.verdicts if v["worker"] == free_rider):
         for c in checks_of(v["checks"]):
             results.add("cheat", "free_rider", c)
