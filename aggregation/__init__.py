@@ -2,6 +2,8 @@
 
 Every rule is a small frozen callable ``agg(updates, weights=None) -> Tensor``
 over an [N, D] float32/float64 tensor of update rows (see ``Aggregator``).
+``centered_clip_rows`` (what validators run) reads the rows from a ``Rows``
+source by column chunks instead, so its memory does not grow with N.
 They are pure: no state between calls, no global random generator.  Attacks
 used to evaluate them live in ``veritrain.aggregation.attacks``.
 """
@@ -15,6 +17,16 @@ from .geometric_median import GeometricMedian
 from .krum import Krum, MultiKrum
 from .mean import Mean
 from .registry import AGGREGATOR_NAMES, build_aggregator
+from .rows import FileRows, RowFile, RowList, Rows, RowStore, TensorRows
+from .streamed import (
+    RowsAggregate,
+    RowsClipStats,
+    aggregate_rows,
+    centered_clip_rows,
+    clip_radius,
+    resolve_radius,
+    row_distances,
+)
 
 __all__ = [
     "AGGREGATOR_NAMES",
@@ -24,13 +36,26 @@ __all__ = [
     "CenteredClip",
     "CenteredClipStats",
     "CoordinateMedian",
+    "FileRows",
     "GeometricMedian",
     "Krum",
     "Mean",
     "MultiKrum",
     "NonFiniteUpdateError",
     "OversizedUpdateError",
+    "RowFile",
+    "RowList",
+    "RowStore",
+    "Rows",
+    "RowsAggregate",
+    "RowsClipStats",
+    "TensorRows",
     "TrimmedMean",
+    "aggregate_rows",
     "build_aggregator",
+    "centered_clip_rows",
     "centered_clip_with_stats",
+    "clip_radius",
+    "resolve_radius",
+    "row_distances",
 ]

@@ -41,6 +41,8 @@ def map_chunks(
     """
     starts = list(range(0, d, chunk))
     workers = 1 if device.type != "cpu" else max(1, min(torch.get_num_threads(), len(starts)))
+    if threading.current_thread().name.startswith(_POOL_PREFIX):
+        workers = 1  # already inside the pool (a rule run per chunk): never wait on the pool
     results: list[R | None] = [None] * len(starts)
 
     def run(first: int) -> None:
@@ -49,8 +51,8 @@ def map_chunks(
             a = starts[k]
             results[k] = work(a, min(a + chunk, d), state)
 
-    if workers == 1 or threading.current_thread().name.startswith(_POOL_PREFIX):
-        run(0)  # one worker, or already inside the pool (never wait on the pool from it)
+    if workers == 1:
+        run(0)
     else:
         for future in [_pool(workers).submit(run, k) for k in range(workers)]:
             future.result()  # re-raises the first exception of a worker

@@ -31,7 +31,7 @@ from ._parallel import map_chunks
 from .errors import AggregationInputError, NonFiniteUpdateError
 from .sorting_network import apply_network, pruned_network
 
-__all__ = ["CHUNK", "CoordinateMedian", "TrimmedMean"]
+__all__ = ["CHUNK", "CoordinateMedian", "TrimmedMean", "median_and_lower"]
 
 #: Columns per chunk on CPU: below torch's parallel grain (32768 elements), so
 #: each elementwise op runs on one thread; N + 1 such buffers per thread.
@@ -83,13 +83,14 @@ class TrimmedMean:
         # wires then hold the kept multiset in some order, which a sum ignores.
         f, scale = self.f, 1.0 / (n - 2 * self.f)
 
-        def finish(wires: list[Tensor], out: Tensor) -> None:
+        def finish(wires: list[Tensor], outs: list[Tensor]) -> None:
+            out = outs[0]
             torch.mul(wires[f], scale, out=out)  # scaled terms: a convex sum, no overflow
             for j in range(f + 1, n - f):
                 out.add_(wires[j], alpha=scale)
 
         extremes = tuple(range(f)) + tuple(range(n - f, n))
-        return _network_rule(x, w, act, extremes, finish)
+        return _network_rule(x, w, act, extremes, finish)[0]
 
 
 @dataclass(frozen=True)
@@ -118,17 +119,37 @@ class CoordinateMedian:
         if not _is_uniform(w, act):
             assert w is not None
             return _sorted_rule(x, act, _median_sorted(w[act]))
-        n = act.numel()
-        mid = (n - 1) // 2
+        return _median_network(x, w, act, lower=False)[0]
 
-        def finish(wires: list[Tensor], out: Tensor) -> None:
-            if n % 2:
-                out.copy_(wires[mid])
-            else:  # a/2 + b/2 cannot overflow where (a + b)/2 could
-                torch.mul(wires[mid], 0.5, out=out)
-                out.add_(wires[mid + 1], alpha=0.5)
 
-        return _network_rule(x, w, act, (mid,) if n % 2 else (mid, mid + 1), finish)
+def median_and_lower(updates: Tensor) -> tuple[Tensor, Tensor]:
+    """The unweighted coordinate median and the lower median, from one sorting network.
+
+    lower[k] = x_(floor((n+1)/2))[k], the lower of the two middle values for even n
+    (``torch.median``'s convention; for odd n both are the middle value).
+    """
+    x = check_updates(updates)
+    median, lower = _median_network(x, None, active_rows(None, x.shape[0]), lower=True)
+    return median, lower
+
+
+def _median_network(x: Tensor, weights: Tensor | None, act: Tensor, *, lower: bool) -> list[Tensor]:
+    """The median of the active rows (and, with ``lower``, their lower median)."""
+    n = act.numel()
+    mid = (n - 1) // 2
+
+    def finish(wires: list[Tensor], outs: list[Tensor]) -> None:
+        out = outs[0]
+        if n % 2:
+            out.copy_(wires[mid])
+        else:  # a/2 + b/2 cannot overflow where (a + b)/2 could
+            torch.mul(wires[mid], 0.5, out=out)
+            out.add_(wires[mid + 1], alpha=0.5)
+        if lower:
+            outs[1].copy_(wires[mid])
+
+    needed = (mid,) if n % 2 else (mid, mid + 1)
+    return _network_rule(x, weights, act, needed, finish, outputs=2 if lower else 1)
 
 
 def _is_uniform(weights: Tensor | None, act: Tensor) -> bool:
@@ -143,15 +164,16 @@ def _network_rule(
     weights: Tensor | None,
     act: Tensor,
     needed: tuple[int, ...],
-    finish: Callable[[list[Tensor], Tensor], None],
-) -> Tensor:
+    finish: Callable[[list[Tensor], list[Tensor]], None],
+    outputs: int = 1,
+) -> list[Tensor]:
     """Unweighted order statistics of the active rows, chunk by chunk.
 
     A sorting network pruned to the ``needed`` ranks (plus the minimum and the
-    maximum) runs on views of the input; ``finish(wires, out)`` writes the
-    chunk's result.  Finiteness comes almost for free: min and max propagate
-    NaN, and a +-Inf ends on the max or min wire, so only the sums of those two
-    wires are checked.
+    maximum) runs on views of the input; ``finish(wires, outs)`` writes the
+    chunk's part of the ``outputs`` [D] results.  Finiteness comes almost for
+    free: min and max propagate NaN, and a +-Inf ends on the max or min wire,
+    so only the sums of those two wires are checked.
 
     On CPU the chunks are small enough for each elementwise op to run on one
     thread, and ``torch.get_num_threads()`` Python threads take every k-th
@@ -163,7 +185,7 @@ def _network_rule(
     rows = act.tolist()
     n = len(rows)
     network = pruned_network(n, tuple(sorted({0, n - 1, *needed})))
-    out = torch.empty(d, dtype=x.dtype, device=x.device)
+    outs = [torch.empty(d, dtype=x.dtype, device=x.device) for _ in range(outputs)]
     # an accelerator wants few, large ops (four chunks: scratch stays < the input)
     chunk = CHUNK if x.device.type == "cpu" else max(CHUNK, -(-d // 4))
 
@@ -172,7 +194,7 @@ def _network_rule(
 
     def work(a: int, b: int, pool: Tensor) -> Tensor:
         wires = apply_network([x[i, a:b] for i in rows], network, [buf[: b - a] for buf in pool])
-        finish(wires, out[a:b])
+        finish(wires, [out[a:b] for out in outs])
         return wires[0].sum() + wires[n - 1].sum()
 
     checks = map_chunks(work, d, chunk, device=x.device, make_state=scratch)
@@ -185,7 +207,7 @@ def _network_rule(
     bad = nonfinite_rows(x, suspects) if suspects else []
     if bad:
         raise NonFiniteUpdateError(bad)
-    return out
+    return outs
 
 
 def _sorted_rule(x: Tensor, act: Tensor, reduce: Reducer) -> Tensor:

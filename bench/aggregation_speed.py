@@ -19,6 +19,16 @@ The last line is machine-readable:
 origin (tol=0 forces all 10), the configuration of the reference
 implementations; the median-start variant, which adds a coordinate-wise
 median, is in the table.
+
+``validator_centered_clip`` is what a validator runs: ``centered_clip_rows``
+(CenteredClip from the median, two streamed passes over the rows by column
+chunks) with the run presets' aggregator params (``tau_rel`` resolved inside,
+so its time includes the radius), over ``TensorRows`` of the input;
+``validator_centered_clip_file`` the same over ``FileRows`` of a row file
+written once beforehand (reads from the page cache included).  For comparison,
+``centered_clip_median_tau_rel`` is the in-memory path validators ran before:
+``resolve_aggregator_params`` as it was (torch's median, then (x - c).double()),
+then ``CenteredClip(tau)``.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,9 +52,13 @@ from veritrain.aggregation import (
     Krum,
     Mean,
     MultiKrum,
+    RowFile,
+    TensorRows,
     TrimmedMean,
     build_aggregator,
+    centered_clip_rows,
 )
+from veritrain.protocol.presets import run_preset
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 HEADLINE = ["centered_clip", "krum", "geometric_median", "trimmed_mean", "median"]
@@ -56,8 +71,45 @@ def make_inputs(n: int, d: int, seed: int) -> torch.Tensor:
     return common + torch.randn(n, d, generator=gen)
 
 
-def make_rules(d: int, f: int) -> dict[str, Fn]:
+#: The run presets' aggregator parameters (``tau_rel`` and ``iterations``).
+PRESET_PARAMS: dict[str, float] = dict(run_preset("demo")["aggregator"]["params"])
+
+
+def validator_rule(x: torch.Tensor) -> torch.Tensor:
+    """What a validator runs over the accepted rows (validators/round.py)."""
+    return centered_clip_rows(TensorRows(x), **PRESET_PARAMS)[0]  # type: ignore[arg-type]
+
+
+def validator_file_rule(x: torch.Tensor, directory: str) -> Fn:
+    """The validator's rule over a row file holding ``x`` (written here, once)."""
+    store = RowFile(Path(directory) / f"rows-{x.shape[0]}x{x.shape[1]}.f32", x.shape[1])
+    for row in x:
+        store.append(row)
+    full = store.rows()
+
+    def rule(t: torch.Tensor) -> torch.Tensor:
+        rows = full if t.shape == x.shape else TensorRows(t)  # warm-up slices stay in memory
+        return centered_clip_rows(rows, **PRESET_PARAMS)[0]  # type: ignore[arg-type]
+
+    return rule
+
+
+def previous_validator_rule(x: torch.Tensor) -> torch.Tensor:
+    """The in-memory path validators ran before streaming: torch's median for the radius,
+    then CenteredClip from the coordinate median."""
+    center = x.median(dim=0).values
+    spread = torch.linalg.vector_norm((x - center).double(), dim=1).median()
+    tau = max(float(PRESET_PARAMS["tau_rel"]) * float(spread), 1e-12)
+    return CenteredClip(tau, iterations=int(PRESET_PARAMS["iterations"]))(x)
+
+
+def make_rules(
+    d: int, f: int, x: torch.Tensor | None = None, directory: str | None = None
+) -> dict[str, Fn]:
     tau = math.sqrt(d)  # about half the typical distance between rows: clipping is active
+    streamed: dict[str, Fn] = {"validator_centered_clip": validator_rule}
+    if x is not None and directory is not None:
+        streamed["validator_centered_clip_file"] = validator_file_rule(x, directory)
     return {
         "mean": Mean(),
         "centered_clip": CenteredClip(tau, iterations=10, tol=0.0, start="zero"),
@@ -71,6 +123,8 @@ def make_rules(d: int, f: int) -> dict[str, Fn]:
         "bucketing2_centered_clip": build_aggregator(
             "centered_clip", {"tau": tau, "start": "zero", "tol": 0.0, "bucket_size": 2}, seed=1
         ),
+        **streamed,
+        "centered_clip_median_tau_rel": previous_validator_rule,
     }
 
 
@@ -87,8 +141,14 @@ def _status_kib(field: str) -> int:
 def probe_memory(args: argparse.Namespace) -> None:
     """Child process: print the peak MiB that one call of ``args.probe`` adds."""
     x = make_inputs(args.n, args.d, args.seed)
-    fn = make_rules(args.d, args.f)[args.probe]
-    fn(x[:, : min(args.d, 1 << 16)].contiguous())  # warm up (thread pool, caches)
+    with tempfile.TemporaryDirectory(prefix="aggregation-speed-") as tmp:
+        file_rows = args.probe == "validator_centered_clip_file"
+        fn = make_rules(args.d, args.f, x if file_rows else None, tmp)[args.probe]
+        _probe_call(fn, x, args.d)
+
+
+def _probe_call(fn: Fn, x: torch.Tensor, d: int) -> None:
+    fn(x[:, : min(d, 1 << 16)].contiguous())  # warm up (thread pool, caches)
     before = _status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     fn(x)
@@ -128,6 +188,27 @@ def ref_centered_clip_zero(x: torch.Tensor, tau: float, iterations: int) -> torc
         clip = torch.where(norm > tau, tau / norm.clamp(min=tau), torch.ones_like(norm))
         v = v + (clip / x.shape[0]) @ diff
         del diff
+    return v
+
+
+def ref_centered_clip_median(x: torch.Tensor, tau_rel: float, iterations: int) -> torch.Tensor:
+    """From the coordinate median, tau = tau_rel * lower median of ||x_i - lower median||,
+    stopping like CenteredClip (step <= 1e-6 tau), in float64."""
+    n = x.shape[0]
+    s = x.sort(dim=0).values
+    lower = s[(n - 1) // 2]
+    tau = tau_rel * float((x - lower).norm(dim=1).sort().values[(n - 1) // 2])
+    v = (s[(n - 1) // 2] + s[n // 2]) / 2
+    del s
+    for _ in range(int(iterations)):
+        diff = x - v
+        norm = diff.norm(dim=1)
+        clip = torch.where(norm > tau, tau / norm.clamp(min=tau), torch.ones_like(norm))
+        step = (clip / n) @ diff
+        v = v + step
+        del diff
+        if float(step.norm()) <= 1e-6 * tau:
+            break
     return v
 
 
@@ -171,12 +252,15 @@ def check_errors(x: torch.Tensor, rules: dict[str, Fn], f: int) -> dict[str, flo
     refs: dict[str, Callable[[], torch.Tensor]] = {
         "mean": lambda: x64.mean(0),
         "centered_clip": lambda: ref_centered_clip_zero(x64, math.sqrt(d), 10),
+        "validator_centered_clip": lambda: ref_centered_clip_median(x64, **PRESET_PARAMS),
+        "validator_centered_clip_file": lambda: ref_centered_clip_median(x64, **PRESET_PARAMS),
+        "centered_clip_median_tau_rel": lambda: ref_centered_clip_median(x64, **PRESET_PARAMS),
         "krum": lambda: ref_krum(x64, f),
         "geometric_median": lambda: ref_geometric_median(x64, gm.iterations, gm.tol, gm.eps),
         "trimmed_mean": lambda: ref_sorted(x64, lambda s: s[f : n - f].mean(0)),
         "median": lambda: ref_sorted(x64, lambda s: (s[(n - 1) // 2] + s[n // 2]) / 2),
     }
-    return {name: rel_error(rules[name](x), ref()) for name, ref in refs.items()}
+    return {name: rel_error(rules[name](x), ref()) for name, ref in refs.items() if name in rules}
 
 
 def main() -> None:
@@ -208,7 +292,8 @@ def main() -> None:
         return
 
     x = make_inputs(args.n, args.d, args.seed)
-    rules = make_rules(args.d, args.f)
+    scratch = tempfile.TemporaryDirectory(prefix="aggregation-speed-")
+    rules = make_rules(args.d, args.f, x, scratch.name)
     baseline: Fn = lambda t: t.mean(0)  # noqa: E731
     for fn in [baseline, *rules.values()]:  # warm up (allocator, thread pool)
         fn(x[:, : min(args.d, 1 << 16)].contiguous())
@@ -250,6 +335,7 @@ def main() -> None:
         f"(extra memory limit: one more copy of the input = {input_mib:.0f} MiB; "
         f"the result alone is {input_mib / args.n:.0f} MiB)"
     )
+    scratch.cleanup()
     print("aggregation_speed: " + " ".join(f"{k}={ratios[k]:.2f}x" for k in HEADLINE))
 
 

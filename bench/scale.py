@@ -3,6 +3,7 @@
     .venv/bin/python bench/scale.py [--workers 2] [--validators 1] [--rounds 2] [--steps 4]
                                     [--batch 4] [--n-layer 12] [--n-embd 768] [--n-head 12]
                                     [--seq-len 128] [--keep-every N] [--ab-runs 3]
+    .venv/bin/python bench/scale.py --validator-only-workers 8 [--steps 4] [--batch 4] ...
 
 A real swarm at the ``scale`` reference size (charlm at GPT-2-small shape: 85.35M
 parameters by default; ``--n-layer``/``--n-embd``/``--n-head``/``--seq-len`` go bigger on
@@ -26,6 +27,20 @@ talking HTTP on loopback, each with one torch thread, the ``demo`` preset's rule
 The last line:
 
     scale: params=<n> worker_speed_vs_plain=<x> worker_rss_B_per_param=<x> validator_rss_B_per_param=<x> verify_upload_vs_payload=<x>x ledger_disk_B_per_param_round=<x>
+
+``--validator-only-workers N`` measures the validator alone with N workers at full size,
+where N worker processes would not fit in memory (8 at GPT-2-small size on a 24 GB
+machine): this process trains the N workers' rounds one after the other (the
+``prepare_submission`` a worker runs, keeping only the states its checks will open:
+the round's beacon is known in advance, there being one validator), writes each
+submission, payload and reveal to disk and frees it; then a ledger and a real
+``veritrain validator`` process run one round while this process plays the workers over
+HTTP (registers, submits, reveals when the beacon is fixed). No worker process is alive,
+so the validator's VmHWM is what a validator needs for N workers. Its last line:
+
+    scale_validator: params=<n> workers=<N> rounds=<r> validator_rss_B_per_param=<x> accepted=<k>/...
+
+(``--rounds``, default 2: round 1 is the first with an outer state to read.)
 """
 
 from __future__ import annotations
@@ -45,14 +60,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from veritrain.ledger.client import LedgerClient, publish_run
+from veritrain.ledger.client import LedgerClient, LedgerRefused, publish_run
+from veritrain.protocol.beacon import beacon_root, compute_beacon_seed
+from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.codecs import ErrorFeedback
 from veritrain.protocol.identity import Identity, write_key_file
+from veritrain.protocol.messages import Registration, SpotReveal, sign
 from veritrain.protocol.organiser import build_run
 from veritrain.protocol.presets import run_preset
 from veritrain.protocol.runtime import RunContext
+from veritrain.protocol.tensors import sha256_hex
 from veritrain.protocol.training import deterministic_mode
-from veritrain.workers.evidence import DirStore, RoundEvidence
+from veritrain.workers.evidence import DirStore, MemoryStore, RoundEvidence, reveal_bytes
 from veritrain.workers.node import StepClock
 from veritrain.workers.round import prepare_submission
 
@@ -198,6 +217,179 @@ def run_swarm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 async def _current(url: str) -> dict[str, Any]:
     async with LedgerClient(url, retry_for=30.0) as client:
         return await client.get_json("/v1/runs/scale-run/rounds/current")
+
+
+# --- the validator alone, with many workers ------------------------------------------
+
+
+def prepare_workers(run: RunContext, base: torch.Tensor, base_hash: str, r: int,
+                    validator: Identity, workers: list[Identity], out: Path
+                    ) -> dict[str, dict[str, Any]]:
+    """Each worker's round ``r`` from ``base``, trained here one after the other: its signed
+    submission, payload and (when checked) reveal written under ``out``; nothing kept in
+    memory. (A fresh error feedback each round: the validator cannot tell.)"""
+    out.mkdir(parents=True, exist_ok=True)
+    seed = compute_beacon_seed([validator.sign_bls(beacon_root(run.spec.run_id, r))])
+    policy = ChallengePolicy.of_run(run.spec)
+    challenges = compute_challenges(seed, sorted(w.public_key.hex() for w in workers), policy)
+    due = set(policy.checked_workers(challenges))
+    k = run.inner.trail_every
+    files: dict[str, dict[str, Any]] = {}
+    for i, w in enumerate(workers):
+        started = time.monotonic()
+        me = w.public_key.hex()
+        wanted = {run.inner.steps} | {s for j in challenges.get(me, [])
+                                      for s in (j * k, (j + 1) * k)}
+        evidence = RoundEvidence(MemoryStore(), run, r, me, keep=wanted.__contains__)
+        prep = prepare_submission(run, w, r, base, base_hash, ErrorFeedback(run.numel),
+                                  evidence=evidence)
+        entry: dict[str, Any] = {"identity": w, "segments": challenges.get(me, []),
+                                 "envelope": out / f"{i}.envelope", "payload": out / f"{i}.payload",
+                                 "reveal": None}
+        entry["envelope"].write_bytes(prep.signed.encode())
+        entry["payload"].write_bytes(prep.payload)
+        if me in due:
+            data = reveal_bytes(evidence, seed, entry["segments"], prep.signed.message)
+            if data is None:
+                raise RuntimeError(f"worker {i} kept nothing to reveal")
+            entry["reveal"] = out / f"{i}.reveal"
+            entry["reveal"].write_bytes(data)
+            entry["reveal_digest"] = sha256_hex(data)
+            entry["reveal_bytes"] = len(data)
+            del data
+        entry["digest"] = prep.signed.digest
+        files[me] = entry
+        del prep, evidence
+        _log(f"round {r}: worker {i} prepared in {time.monotonic() - started:.0f}s")
+    return files
+
+
+async def play_workers(url: str, run_id: str, r: int, files: dict[str, dict[str, Any]]
+                       ) -> None:
+    """Register (round 0), submit, and reveal once the beacon is fixed, as workers would."""
+    async with LedgerClient(url, retry_for=60.0) as client:
+        if r == 0:
+            for me, f in files.items():
+                reg = Registration(run_id=run_id, round=0, participant=me, role="worker",
+                                   created_at=int(time.time()))
+                await client.post_message(f"/v1/runs/{run_id}/participants",
+                                          sign(f["identity"], reg).to_wire())
+        base = f"/v1/runs/{run_id}/rounds/{r}"
+        while (await client.get_json(base))["status"] != "open":
+            await asyncio.sleep(0.5)
+        for f in files.values():
+            await client.post_multipart(f"{base}/submissions", [
+                ("envelope", f["envelope"].read_bytes(), "application/json"),
+                ("payload", f["payload"], "application/octet-stream")], kind="payload")
+        view = await client.get_json(f"{base}/challenges")
+        while not view["fixed"]:
+            await asyncio.sleep(0.5)
+            view = await client.get_json(f"{base}/challenges")
+        for c in view["challenges"]:
+            f = files[c["worker"]]
+            if not c["due"]:
+                continue
+            if f["reveal"] is None or list(c["segments"]) != list(f["segments"]):
+                raise RuntimeError("the ledger's challenges differ from the ones prepared for")
+            envelope = sign(f["identity"], SpotReveal(
+                run_id=run_id, round=r, worker=c["worker"], submission_digest=f["digest"],
+                reveal_hash=f["reveal_digest"], reveal_bytes=f["reveal_bytes"],
+                created_at=int(time.time())))
+            await client.post_multipart(f"{base}/reveals", [
+                ("envelope", envelope.encode(), "application/json"),
+                ("reveal", f["reveal"], "application/octet-stream")], kind="verification")
+
+
+async def _certified_base(url: str, run: RunContext, r: int) -> tuple[torch.Tensor, str]:
+    """Round ``r``'s base model and its hash, once round ``r - 1`` is finalized."""
+    async with LedgerClient(url, retry_for=60.0) as client:
+        while True:
+            try:
+                info = await client.get_json(f"/v1/runs/{run.spec.run_id}/rounds/{r}")
+                break
+            except LedgerRefused:
+                await asyncio.sleep(1.0)
+        data = await client.get_blob(info["base_model_hash"], max_bytes=run.max_model_bytes)
+        return run.decode_model(bytes(data)), info["base_model_hash"]
+
+
+def run_validator_only(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    n = args.validator_only_workers
+    args.workers = n
+    organiser = Identity.generate("organiser")
+    validator = Identity.generate("validator")
+    workers = [Identity.generate("worker") for _ in range(n)]
+    bundle = build_run(organiser, "scale-run", scale_settings(args), [validator.public])
+    run = RunContext.build(bundle.signed.message, bundle.dataset)
+    _log(f"run built: {run.numel:,} parameters; {n} workers, {args.rounds} round(s)")
+    procs = LocalProcesses(work / "logs")
+    rss = PeakRss()
+    started = time.monotonic()
+    results: list[list[dict[str, Any]]] = []
+    try:
+        url = procs.start_ledger(work / "ledger")
+        asyncio.run(publish_run(url, bundle))
+        key = work / "validator-0.key"
+        write_key_file(key, validator)
+        proc = procs.start("validator-0", [
+            "validator", "--ledger", url, "--key", str(key), "--run", "scale-run",
+            "--stats", str(work / "validator-0.stats.json")])
+        rss.watch("validator-0", proc.pid)
+        deadline = time.monotonic() + args.timeout
+        for r in range(args.rounds):
+            base, base_hash = ((run.decode_model(bundle.genesis), run.spec.genesis_model_hash)
+                               if r == 0 else asyncio.run(_certified_base(url, run, r)))
+            files = prepare_workers(run, base, base_hash, r, validator, workers,
+                                    work / f"prepared-{r}")
+            del base
+            asyncio.run(play_workers(url, "scale-run", r, files))
+            shutil.rmtree(work / f"prepared-{r}", ignore_errors=True)
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the validator did not finish in time; see "
+                                   + str(work / "logs"))
+            time.sleep(1.0)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the validator exited with {proc.returncode}; see "
+                               f"{work / 'logs' / 'validator-0.log'}")
+        results = [asyncio.run(_results(url, "scale-run", r)) for r in range(args.rounds)]
+    finally:
+        procs.stop_all()
+        rss.stop()
+    _log(f"validator done in {time.monotonic() - started:.0f}s")
+    verdicts = [res[0]["body"]["verdicts"] if res else [] for res in results]
+    stats = json.loads((work / "validator-0.stats.json").read_text())
+    return {"numel": run.numel, "rss": rss.peaks, "verdicts": verdicts, "stats": stats}
+
+
+async def _results(url: str, run_id: str, r: int) -> list[dict[str, Any]]:
+    async with LedgerClient(url, retry_for=30.0) as client:
+        return (await client.get_json(f"/v1/runs/{run_id}/rounds/{r}/results"))["results"]
+
+
+def report_validator_only(out: dict[str, Any], args: argparse.Namespace) -> str:
+    numel, n = out["numel"], args.validator_only_workers
+    peak = out["rss"].get("validator-0", 0)
+    print(f"\n== scale, the validator alone: {numel:,} parameters, {n} workers (prepared "
+          f"beforehand, no worker process alive), {args.rounds} round(s), H={args.steps}, "
+          f"batch {args.batch}x{args.seq_len} ==")
+    print(f"validator peak RSS (VmHWM): {peak / 1e9:.2f} GB = {peak / numel:.1f} B/param")
+    accepted = []
+    for r, verdicts in enumerate(out["verdicts"]):
+        accepted.append(sum(1 for v in verdicts if v["status"] == "accepted"))
+        reasons = sorted({v["reason"] for v in verdicts if v["reason"]})
+        print(f"round {r}: {accepted[-1]} of {len(verdicts)} accepted"
+              + (f" (rejected: {', '.join(reasons)})" if reasons else ""))
+    for rnd in out["stats"]["rounds"]:
+        print(f"  round {rnd['round']}: " + ", ".join(
+            f"{k[:-2]} {v:.0f}s" for k, v in rnd.items() if k.endswith("_s")))
+    down = out["stats"]["traffic"]["down"]
+    rounds = max(len(out["stats"]["rounds"]), 1)
+    print("  download per round: " + ", ".join(
+        f"{k} {v / rounds / numel:.3f}" for k, v in sorted(down.items())) + " B/param")
+    return (f"scale_validator: params={numel} workers={n} rounds={args.rounds} "
+            f"validator_rss_B_per_param={peak / numel:.1f} "
+            f"accepted={'/'.join(str(a) for a in accepted)}")
 
 
 # --- the worker's step against a plain step -------------------------------------------
@@ -375,10 +567,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ab-threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--validator-only-workers", type=int, default=0, metavar="N",
+                        help="measure the validator alone with N workers prepared here "
+                             "beforehand (no swarm, no A/B)")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="veritrain-scale-"))
     started = time.monotonic()
     try:
+        if args.validator_only_workers:
+            line = report_validator_only(run_validator_only(args, work), args)
+            print(f"\n(total {time.monotonic() - started:.0f}s)")
+            print(line)
+            return 0
         swarm = run_swarm(args, work)
         _log(f"swarm done in {time.monotonic() - started:.0f}s; A/B of the inner step")
         ab = speed_ab(swarm["bundle"], work, args.ab_runs, args.ab_threads, args.keep_every)

@@ -13,10 +13,15 @@ from the ledger and carries on.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
+import hashlib
 import json
 import logging
+import math
+import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,7 +42,7 @@ from veritrain.protocol.beacon import (
     verify_fixed_beacon,
 )
 from veritrain.protocol.challenges import ChallengePolicy, max_reveal_file_bytes
-from veritrain.protocol.errors import RejectedInput
+from veritrain.protocol.errors import NonFiniteError, PayloadError, RejectedInput
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import (
     BeaconShare,
@@ -56,13 +61,23 @@ from veritrain.protocol.messages import (
     open_signed,
     sign,
 )
+from veritrain.protocol.outer import OuterState
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.secagg import check_dealt, words_file_bytes
-from veritrain.protocol.tensors import sha256_hex
+from veritrain.protocol.tensors import ParamShapes, _header, sha256_hex, split_flat
 
 from .checks import Candidate
 from .masked import filter_masked_round, words_of
-from .round import FilteredRound, RoundOutcome, aggregate_locally, filter_round, finish_round
+from .round import (
+    BlobFiles,
+    FilteredRound,
+    OuterStepped,
+    RoundOutcome,
+    aggregate_locally,
+    conclude_round,
+    filter_round,
+    step_round,
+)
 from .sharded import (
     Settlement,
     compute_own_shard,
@@ -94,6 +109,9 @@ class ValidatorConfig:
     #: Where to write what the node sent and received and how long its rounds took (JSON,
     #: rewritten after every round), or None.
     stats_path: Path | None = None
+    #: Where each round's scratch directory goes (payloads, reveals and decoded updates,
+    #: removed when the round is done); None: the system's temporary directory.
+    scratch_dir: Path | None = None
 
 
 class ValidatorNode:
@@ -218,13 +236,15 @@ class ValidatorNode:
                                 "invalid_beacon") from exc
 
     async def gather_reveals(self, client: LedgerClient, run: RunContext, r: int,
-                             submitted: dict[str, str]) -> dict[str, bytes]:
+                             submitted: dict[str, str], store: BlobFiles | None = None
+                             ) -> Mapping[str, bytes]:
         """Wait until every due reveal arrived or the reveal deadline passed; fetch the files.
 
         A reveal counts only in its worker's signed envelope, for this run and round,
         naming that worker's sealed submission (``submitted``: worker -> its digest), with
         the ledger's receipt; what is missing is simply absent, and the checks that need
-        it fail.
+        it fail. With ``store`` each file goes to disk as it arrives and the mapping
+        returned reads it back when asked for: one reveal in memory at a time.
         """
         spec = run.spec
         path = f"/v1/runs/{spec.run_id}/rounds/{r}/challenges"
@@ -234,7 +254,7 @@ class ValidatorNode:
             view = await client.get_json(path)
         ledger_key = (await client.get_json("/v1/ledger"))["ledger_key"]
         policy = ChallengePolicy.of_run(spec)
-        reveals: dict[str, bytes] = {}
+        reveals: dict[str, bytes] | BlobFiles = {} if store is None else store
         for c in view["challenges"]:
             worker, got = c["worker"], c["reveal"]
             if got is None or worker not in submitted:
@@ -254,15 +274,32 @@ class ValidatorNode:
                 bound = max_reveal_file_bytes(
                     run.numel, run.inner.trail_every, len(c["segments"]) or 1, policy,
                     payload_bytes=spec.limits["max_payload_bytes"] if spec.masked else 0)
-                reveals[worker] = await client.get_blob(msg.reveal_hash,
-                                                        max_bytes=min(msg.reveal_bytes, bound),
-                                                        kind="reveals")
+                data = await client.get_blob(msg.reveal_hash,
+                                             max_bytes=min(msg.reveal_bytes, bound),
+                                             kind="reveals")
+                if isinstance(reveals, BlobFiles):
+                    reveals.put(worker, data)
+                else:
+                    reveals[worker] = data
+                del data
             except (RejectedInput, LedgerRefused) as exc:
                 log.warning("round %d: reveal of %s unusable: %s", r, worker[:12], exc)
         return reveals
 
     async def validate_round(self, client: LedgerClient, run: RunContext,
                              info: dict[str, Any]) -> RoundOutcome:
+        """Process one closed round; its payloads, reveals and decoded updates live in a
+        scratch directory that is removed when the round is done (or failed)."""
+        scratch = tempfile.TemporaryDirectory(prefix=f"veritrain-round-{info['round']}-",
+                                              dir=self.config.scratch_dir)
+        try:
+            return await self._validate_round(client, run, info, Path(scratch.name))
+        finally:
+            await asyncio.to_thread(scratch.cleanup)
+            release_free_memory()
+
+    async def _validate_round(self, client: LedgerClient, run: RunContext,
+                              info: dict[str, Any], scratch: Path) -> RoundOutcome:
         spec = run.spec
         r = info["round"]
         started = time.monotonic()
@@ -274,8 +311,16 @@ class ValidatorNode:
             timings[name] = timings.get(name, 0.0) + now - clock[0]
             clock[0] = now
 
-        base_flat, outer = run.decode_base(*await fetch_base_files(
-            client, run.spec, info, max_model_bytes=run.max_model_bytes))
+        release_free_memory()  # what building the run and earlier rounds left behind
+        model_file, outer_file = await fetch_base_files(
+            client, run.spec, info, max_model_bytes=run.max_model_bytes)
+        base_flat = run.decode_model(model_file)
+        del model_file
+        # The outer state is needed only for the outer step: on disk until then.
+        outer_path = None if outer_file is None else scratch / "base.outer"
+        if outer_path is not None and outer_file is not None:
+            outer_path.write_bytes(outer_file)
+        del outer_file
         # One sealed list for the share, the candidates and the buckets: the one signed.
         sealed = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/submissions")
         seed = await self.beacon_seed(client, spec, r, sealed["submissions"])
@@ -290,6 +335,7 @@ class ValidatorNode:
             if p["banned_until_round"] >= r:
                 banned.add(reg.participant)
         candidates = []
+        payloads = BlobFiles(scratch / "payloads")  # by submission digest, read when checked
         for wire in sealed["submissions"]:
             try:
                 signed = open_signed(wire, Submission)
@@ -299,40 +345,53 @@ class ValidatorNode:
             if spec.masked is not None:  # no payload on the ledger; opened ones are revealed
                 candidates.append(Candidate(signed, None))
                 continue
-            payload: bytes | None
             try:
-                payload = await client.get_blob(
+                payloads.put(signed.digest, await client.get_blob(
                     signed.message.payload_hash,
                     max_bytes=min(signed.message.payload_bytes,
-                                  spec.limits["max_payload_bytes"]), kind="payloads")
+                                  spec.limits["max_payload_bytes"]), kind="payloads"))
             except (LedgerRefused, RejectedInput) as exc:
                 log.warning("payload of %s unavailable: %s", signed.message.worker[:12], exc)
-                payload = None
-            candidates.append(Candidate(signed, payload))
+            candidates.append(Candidate(signed, None))
         lap("fetch")
         if spec.masked is not None:
             filtered = await self.masked_filter(client, run, info, base_flat, candidates,
-                                                registered, banned, seed)
+                                                registered, banned, seed, scratch)
         else:
             reveals = await self.gather_reveals(
-                client, run, r, {c.worker: c.signed.digest for c in candidates})
+                client, run, r, {c.worker: c.signed.digest for c in candidates},
+                BlobFiles(scratch / "reveals"))
             lap("reveal_wait")
-            filtered = await asyncio.to_thread(
+            filtered = await asyncio.to_thread(functools.partial(
                 filter_round, run, r, info["base_model_hash"], base_flat, candidates,
-                registered, banned, seed, reveals=reveals, device=self.config.device)
+                registered, banned, seed, reveals=reveals, payloads=payloads,
+                device=self.config.device, scratch=scratch))
+        release_free_memory()
         lap("verification")
         if spec.shards and filtered.stacked is not None:
             aggregate = await self.sharded_aggregate(client, run, filtered)
         else:
             aggregate = await asyncio.to_thread(aggregate_locally, run, filtered, seed)
+        release_free_memory()
         lap("aggregation")
-        outcome = await asyncio.to_thread(finish_round, run, filtered, aggregate, base_flat,
-                                          outer, device=self.config.device)
-        model_bytes = run.encode_model(outcome.new_flat)
-        outer_bytes = outcome.new_outer.to_bytes()
+        stepped = await asyncio.to_thread(step_from_file, run, filtered, aggregate, base_flat,
+                                          outer_path)
+        del base_flat, aggregate  # the new model and outer state replace them
+        release_free_memory()
+        outcome = await asyncio.to_thread(conclude_round, run, filtered, stepped,
+                                          device=self.config.device)
+        del filtered, stepped
+        # The new model and outer state go to files, written without a copy, and are
+        # streamed from there: never two more copies of the model in memory.
+        model_path, outer_out = scratch / "model", scratch / "outer_state"
+        model_hash = await asyncio.to_thread(
+            write_flat_file, model_path, run.shapes, split_flat(outcome.new_flat, run.shapes))
+        outer_hash = await asyncio.to_thread(
+            write_flat_file, outer_out, OuterState.layout(run.numel),
+            {"momentum": outcome.new_outer.momentum, "residual": outcome.new_outer.residual})
         certified = CertifiedState(
-            run_id=spec.run_id, round=r + 1, model_hash=sha256_hex(model_bytes),
-            outer_state_hash=sha256_hex(outer_bytes),
+            run_id=spec.run_id, round=r + 1, model_hash=model_hash,
+            outer_state_hash=outer_hash,
             update_hash=sha256_hex(outcome.update_payload),
             verdicts_hash=digest_of(outcome.verdicts),
             scores_hash=digest_of(outcome.scores), eval_loss=outcome.eval_loss)
@@ -344,8 +403,8 @@ class ValidatorNode:
         reply = await client.post_multipart(
             f"/v1/runs/{spec.run_id}/rounds/{r}/results",
             [("result", sign(self.identity, result).encode(), "application/json"),
-             ("model", model_bytes, "application/octet-stream"),
-             ("outer_state", outer_bytes, "application/octet-stream"),
+             ("model", model_path, "application/octet-stream"),
+             ("outer_state", outer_out, "application/octet-stream"),
              ("update", outcome.update_payload, "application/octet-stream")], kind="results")
         lap("certificate")
         rejected = [v for v in outcome.verdicts if v["status"] == "rejected"]
@@ -361,8 +420,8 @@ class ValidatorNode:
 
     async def masked_filter(self, client: LedgerClient, run: RunContext, info: dict[str, Any],
                             base_flat: torch.Tensor, candidates: list[Candidate],
-                            registered: set[str], banned: set[str], seed: bytes
-                            ) -> FilteredRound:
+                            registered: set[str], banned: set[str], seed: bytes,
+                            scratch: Path | None = None) -> FilteredRound:
         """Wait for the board to close and the opened workers to reveal; unmask the buckets."""
         spec, r = run.spec, info["round"]
         path = f"/v1/runs/{spec.run_id}/rounds/{r}/secagg"
@@ -375,7 +434,8 @@ class ValidatorNode:
             await asyncio.sleep(self.config.poll_seconds)
             view = await client.get_json(path)
         reveals = await self.gather_reveals(
-            client, run, r, {c.worker: c.signed.digest for c in candidates})
+            client, run, r, {c.worker: c.signed.digest for c in candidates},
+            None if scratch is None else BlobFiles(scratch / "reveals"))
         challenges = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/challenges")
         survivors = {w for b in view["buckets"] if b["live"] for w in b["survivors"] or ()}
         waiting = {c["worker"] for c in challenges["challenges"]} & survivors
@@ -523,6 +583,80 @@ class ValidatorNode:
                                           sign(self.identity, report).to_wire())
             except LedgerRefused as exc:
                 log.warning("round %d: finding on shard %d refused: %s", r, d.shard, exc)
+
+
+def step_from_file(run: RunContext, filtered: FilteredRound, aggregate: Any,
+                   base_flat: torch.Tensor, outer_path: Path | None) -> OuterStepped:
+    """``step_round`` with the base outer state read from its file here (zeros without one,
+    round 0): handed over as a temporary, its residual is freed before the outer step
+    allocates the new model (4 B/param less at the round's peak)."""
+    if outer_path is None:
+        return step_round(run, filtered, aggregate, base_flat, OuterState.zeros(run.numel))
+    return step_round(run, filtered, aggregate, base_flat, OuterState(
+        **read_flat_file(outer_path, OuterState.layout(run.numel))))
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def release_free_memory() -> None:
+    """Give the allocator's free heap pages back to the system (glibc ``malloc_trim``).
+
+    The models built for the spot checks, the probe and the evaluation free hundreds of
+    megabytes of blocks too small to be mapped on their own; kept by the allocator they
+    count in the node's resident memory. A no-op without glibc.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def write_flat_file(path: Path, shapes: ParamShapes, tensors: Mapping[str, torch.Tensor]
+                    ) -> str:
+    """Write ``encode_flat``'s canonical file of the named float32 tensors (laid out by
+    ``shapes``) straight from the tensors' memory, and return its sha256: the same bytes
+    as ``encode_flat(join_flat(tensors, shapes), shapes)`` without building them (that
+    takes two more copies of the model, of the outer state twice the model's size)."""
+    header, places = _header(shapes)
+    digest = hashlib.sha256(header)
+    with path.open("wb") as f:
+        f.write(header)
+        for name, _, _ in places:
+            t = tensors[name].detach().to(torch.float32).cpu().contiguous().reshape(-1)
+            data = memoryview(t.numpy()).cast("B")
+            f.write(data)
+            digest.update(data)
+    return digest.hexdigest()
+
+
+def read_flat_file(path: Path, shapes: ParamShapes) -> dict[str, torch.Tensor]:
+    """The named tensors of a canonical tensor file (``write_flat_file``), each read from
+    the file into its own tensor: ``decode_flat``'s checks (the exact size, the canonical
+    header byte for byte, finite values) without holding the file's bytes, and without
+    one storage for all (so each tensor can be freed on its own)."""
+    header, places = _header(shapes)
+    dims = dict(shapes)
+    size = len(header) + 4 * sum(math.prod(shape) for _, shape in shapes)
+    if path.stat().st_size != size:
+        raise PayloadError(f"tensor file is {path.stat().st_size} bytes, layout needs {size}")
+    out: dict[str, torch.Tensor] = {}
+    with path.open("rb") as f:
+        if f.read(len(header)) != header:
+            raise PayloadError("tensor file names, shapes or dtypes differ from the layout")
+        for name, _, _ in places:  # in file order
+            t = torch.empty(dims[name], dtype=torch.float32)
+            view = memoryview(t.reshape(-1).numpy()).cast("B")
+            if f.readinto(view) != len(view):
+                raise PayloadError("tensor file ended early")
+            if not bool(torch.isfinite(t).all()):
+                raise NonFiniteError("tensor file holds NaN or Inf")
+            out[name] = t
+    return out
 
 
 def _published(view: dict[str, Any], shards: int) -> list[str | None]:

@@ -81,10 +81,14 @@ def probe_rows(run: RunContext, beacon_seed: bytes, round_index: int, examples: 
     return torch.randint(run.task.num_train_examples(run.dataset), (examples,), generator=gen)
 
 
-def probe_gains(run: RunContext, base_flat: torch.Tensor, updates: dict[str, torch.Tensor],
+def probe_gains(run: RunContext, base_flat: torch.Tensor, updates: Mapping[str, torch.Tensor],
                 rows: torch.Tensor, *, device: str = "cpu") -> dict[str, ProbeGain]:
     """``gain_i = mean_w (L_w(base) - L_w(base - u_i))`` over the probe windows ``rows``
-    (float64), with its standard error; a non-finite loss is a gain of -inf."""
+    (float64), with its standard error; a non-finite loss is a gain of -inf.
+
+    Each update is looked up once, in worker order, and dropped after its forward
+    pass: a lazy mapping (validators.round.StoredRows) keeps one in memory at a time.
+    """
     dev = torch.device(device)
     with deterministic_mode(dev, True), torch.no_grad():
         model = run.task.make_model().to(dev).eval()

@@ -8,16 +8,40 @@ Everything here is a function of its inputs (the run, the base model and
 momentum, the sealed submissions and the beacon seed), so two honest
 validators reach the same verdicts and the same model bytes, and the node
 that feeds it over HTTP stays thin.
+
+Memory does not grow with the number of updates N: payloads and reveals may
+be read one at a time from files (``BlobFiles``), each decoded update is
+written to a row file of the round's scratch directory as soon as it is
+decoded (only its norm stays), the probe reads one row back at a time, and
+CenteredClip from the median (the run default) streams over the accepted rows
+by column chunks (``aggregation.centered_clip_rows``).  Other rules, sharded
+and masked rounds aggregate an in-memory stack of the rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
-from veritrain.aggregation import build_aggregator
+from veritrain.aggregation import (
+    RowFile,
+    RowList,
+    Rows,
+    RowsAggregate,
+    RowStore,
+    TensorRows,
+    aggregate_rows,
+    clip_radius,
+    resolve_radius,
+    row_distances,
+)
 from veritrain.protocol.beacon import derive_seed
 from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.errors import RejectedInput
@@ -46,11 +70,14 @@ class RoundOutcome:
         return [v["worker"] for v in self.verdicts if v["status"] == "accepted"]
 
 
-def clip_quality(updates: torch.Tensor, aggregate: torch.Tensor, tau: float | None) -> list[float]:
-    """Share of each update that survives clipping at the aggregate: min(1, tau / ||x_i - v||)."""
+def clip_quality(updates: torch.Tensor | Rows, aggregate: torch.Tensor, tau: float | None
+                 ) -> list[float]:
+    """Share of each update that survives clipping at the aggregate: min(1, tau / ||x_i - v||)
+    (distances chunk by chunk: no N x D temporary)."""
+    rows = TensorRows(updates) if isinstance(updates, torch.Tensor) else updates
     if tau is None:
-        return [1.0] * updates.shape[0]
-    dist = torch.linalg.vector_norm((updates - aggregate).double(), dim=1)
+        return [1.0] * rows.n_rows
+    dist = row_distances(rows, aggregate.to(rows.dtype))
     return [1.0 if d <= tau else float(tau / d) for d in dist.tolist()]
 
 
@@ -62,29 +89,95 @@ def round_challenges(run: RunContext, candidates: list[Candidate], beacon_seed: 
     return compute_challenges(beacon_seed, sorted({c.worker for c in candidates}), policy)
 
 
-def resolve_aggregator_params(params: dict[str, Any], updates: torch.Tensor) -> dict[str, Any]:
+def resolve_aggregator_params(params: Mapping[str, Any], updates: torch.Tensor | Rows
+                              ) -> dict[str, Any]:
     """Turn a scale-free ``tau_rel`` into this round's clipping radius.
 
     tau = tau_rel * median_i ||x_i - med(x)||, with med the coordinate-wise
-    median: the radius follows the size of the honest updates, which
-    changes from round to round, and a Byzantine minority cannot inflate it.
+    (lower) median and median_i the lower median: the radius follows the size
+    of the honest updates, which changes from round to round, and a Byzantine
+    minority cannot inflate it.  ``aggregation.clip_radius``: the very radius
+    the streamed CenteredClip resolves.
     """
-    out = dict(params)
-    tau_rel = out.pop("tau_rel", None)
-    if tau_rel is not None:
-        center = updates.median(dim=0).values
-        spread = torch.linalg.vector_norm((updates - center).double(), dim=1).median()
-        out["tau"] = max(float(tau_rel) * float(spread), 1e-12)
-    return out
+    rows = TensorRows(updates) if isinstance(updates, torch.Tensor) else updates
+    return resolve_radius(params, rows)
+
+
+def update_norm(update: torch.Tensor, chunk: int = 1 << 20) -> float:
+    """||u|| with float64 squares summed chunk by chunk: no float64 copy of the update."""
+    total = 0.0
+    for part in update.detach().reshape(-1).split(chunk):
+        total += float(part.double().square_().sum())
+    return total ** 0.5
+
+
+class BlobFiles(Mapping[str, bytes]):
+    """Blobs kept in files of a directory and read back one at a time: key -> bytes.
+
+    A validator's payloads and reveals each take about as much memory as an
+    update; kept here, only the one being checked is in memory.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._paths: dict[str, Path] = {}
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self.directory / f"{len(self._paths)}.blob"
+        path.write_bytes(data)
+        self._paths[key] = path
+
+    def __getitem__(self, key: str) -> bytes:
+        return self._paths[key].read_bytes()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+
+class ScratchDir:
+    """A temporary directory removed by ``close()``, or when garbage-collected."""
+
+    def __init__(self, prefix: str = "veritrain-rows-") -> None:
+        self.path = Path(tempfile.mkdtemp(prefix=prefix))
+        self._remove = weakref.finalize(self, shutil.rmtree, self.path, True)
+
+    def close(self) -> None:
+        self._remove()
+
+
+class StoredRows(Mapping[str, torch.Tensor]):
+    """Worker -> its decoded update, read back from a ``RowStore`` when asked for (the
+    probe filter looks at one update at a time)."""
+
+    def __init__(self, store: RowStore, index: Mapping[str, int]) -> None:
+        self.store = store
+        self.index = dict(index)
+
+    def __getitem__(self, worker: str) -> torch.Tensor:
+        return self.store.row(self.index[worker])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
 
 
 @dataclass
 class FilteredRound:
     """A round after every per-update check: who is rejected, and the rows to aggregate.
 
-    ``accepted`` is sorted by worker and ``stacked`` holds their decoded updates in
-    that order; ``params`` are the aggregator's parameters with ``tau_rel``
-    resolved to this round's ``tau``.
+    ``accepted`` is sorted by worker; their decoded updates, in that order, are
+    ``rows`` (read by column chunks, e.g. from the round's row file) or, for
+    sharded and masked rounds, the in-memory ``stacked``.  ``params`` are the
+    aggregator's parameters; ``tau_rel`` is resolved to this round's ``tau``
+    where ``stacked`` is set, and by the aggregation itself for ``rows``
+    (``aggregate_locally``).  ``close()`` removes the files behind ``rows``
+    when the round owns them.
     """
 
     round_index: int
@@ -101,13 +194,26 @@ class FilteredRound:
     #: ``rows_of`` the row each accepted worker's update is summed into.
     weights: list[int] | None = None
     rows_of: dict[str, int] | None = None
+    rows: Rows | None = None
+    scratch: ScratchDir | None = None
 
     @property
     def tau(self) -> float | None:
         return self.params.get("tau")
 
+    def source(self) -> Rows | None:
+        """The accepted rows (None when nothing was accepted)."""
+        if self.rows is not None:
+            return self.rows
+        return None if self.stacked is None else TensorRows(self.stacked)
+
+    def close(self) -> None:
+        """Remove the scratch files this round owns (none when given a directory)."""
+        if self.scratch is not None:
+            self.scratch.close()
+
     def row_index(self) -> dict[str, int]:
-        """Accepted worker -> its row of ``stacked``."""
+        """Accepted worker -> its row of ``source()``."""
         if self.rows_of is not None:
             return self.rows_of
         return {w: i for i, w in enumerate(self.accepted)}
@@ -124,17 +230,40 @@ def filter_round(
     beacon_seed: bytes,
     *,
     reveals: Mapping[str, bytes | None] | None = None,
+    payloads: Mapping[str, bytes] | None = None,
     device: str = "cpu",
+    scratch: str | Path | None = None,
+    rows_in_memory: bool = False,
 ) -> FilteredRound:
     """Admit, decode, spot-check, norm- and probe-filter one closed round's submissions.
 
     ``reveals`` maps each worker to the reveal file it sent for the round's checks
-    (:func:`round_challenges` and the binding; protocol/reveal.py).
+    (:func:`round_challenges` and the binding; protocol/reveal.py). ``payloads``, when
+    given, maps submission digests to payload bytes in place of ``Candidate.payload``
+    (a lazy mapping such as ``BlobFiles`` keeps one in memory at a time). Each decoded
+    update goes to a row file in ``scratch`` (default: a temporary directory the
+    returned round owns until ``close()``), or stays in memory with
+    ``rows_in_memory``; either way the same rows reach the aggregator.
     """
     spec = run.spec
     reveals = reveals or {}
     verdicts: dict[str, dict[str, Any]] = {}
-    decoded: dict[str, torch.Tensor] = {}
+    owned: ScratchDir | None = None
+    store: RowStore
+    if rows_in_memory:
+        store = RowList(run.numel)
+    else:
+        if scratch is None:
+            owned = ScratchDir()
+            scratch = owned.path
+        fd, name = tempfile.mkstemp(prefix=f"round-{round_index}-", suffix=".rows", dir=scratch)
+        os.close(fd)
+        store = RowFile(Path(name), run.numel)
+    index: dict[str, int] = {}  # worker -> its row in the store
+    norms: dict[str, float] = {}
+
+    def payload_of(c: Candidate) -> bytes | None:
+        return c.payload if payloads is None else payloads.get(c.signed.digest)
 
     def reject(c: Candidate, reason: str, detail: str, **extra: Any) -> None:
         verdicts[c.worker] = {
@@ -142,22 +271,28 @@ def filter_round(
             "reason": reason, "detail": detail[:500], "spot_checked": False, "distance": None,
             "checks": [], **extra,
         }
+        index.pop(c.worker, None)
     by_worker, repeated = group_by_worker(candidates)
     for worker, c in by_worker.items():
         if worker in repeated:
             reject(c, "duplicate", "the sealed list holds more than one submission from this worker")
             continue
         try:
-            decoded[worker] = admit(c, run, round_index, base_model_hash, registered, banned)
+            update = admit(Candidate(c.signed, payload_of(c)), run, round_index,
+                           base_model_hash, registered, banned)
         except RejectedInput as exc:
             reject(c, exc.reason, str(exc))
+            continue
+        norms[worker] = update_norm(update)
+        index[worker] = store.append(update.to(torch.float32))
+        del update
 
     challenges = round_challenges(run, candidates, beacon_seed)
     distances: dict[str, float] = {}
     checks: dict[str, list[dict[str, Any]]] = {}
-    for worker in sorted(decoded):
-        sub = by_worker[worker].signed.message
-        results = check_reveal(run, base_flat, sub, by_worker[worker].payload,
+    for worker in sorted(index):
+        c = by_worker[worker]
+        results = check_reveal(run, base_flat, c.signed.message, payload_of(c),
                                challenges.get(worker, []), reveals.get(worker), beacon_seed,
                                device=device)
         checks[worker] = [x.to_json() for x in results]
@@ -166,80 +301,115 @@ def filter_round(
             distances[worker] = min(max(finite), 1e300)
         failed = [x for x in results if not x.ok]
         if failed:
-            reject(by_worker[worker], failure_reason(results),
+            reject(c, failure_reason(results),
                    f"{failure_where(failed[0])}: {failed[0].note}",
                    spot_checked=True, checks=checks[worker])
-            del decoded[worker]
 
-    norms = {w: float(torch.linalg.vector_norm(u.double())) for w, u in decoded.items()}
-    for worker, detail in norm_outliers(norms, spec.verification["norm_factor"]).items():
+    kept_norms = {w: norms[w] for w in index}
+    for worker, detail in norm_outliers(kept_norms, spec.verification["norm_factor"]).items():
         reject(by_worker[worker], "norm_outlier", detail,
                spot_checked=bool(checks.get(worker)), checks=checks.get(worker, []))
-        del decoded[worker]
 
     probe_examples, probe_factor = spec.probe
     if probe_examples > 0 and probe_factor > 0:
         rows = probe_rows(run, beacon_seed, round_index, probe_examples)
-        gains = probe_gains(run, base_flat, decoded, rows, device=device)
+        gains = probe_gains(run, base_flat, StoredRows(store, index), rows, device=device)
         for worker, detail in loss_regressions(gains, probe_factor).items():
             reject(by_worker[worker], "loss_regression", detail,
                    spot_checked=bool(checks.get(worker)), checks=checks.get(worker, []))
-            del decoded[worker]
 
-    accepted = sorted(decoded)
-    stacked = torch.stack([decoded[w] for w in accepted]) if accepted else None
-    params = (resolve_aggregator_params(spec.aggregator["params"], stacked)
-              if stacked is not None else dict(spec.aggregator["params"]))
+    accepted = sorted(index)
+    source = store.rows([index[w] for w in accepted]) if accepted else None
+    params = dict(spec.aggregator["params"])
+    stacked = None
+    if spec.shards and source is not None:  # shards are cut from the in-memory stack
+        stacked = source.read(0, source.numel)
+        params = resolve_aggregator_params(params, stacked)
     return FilteredRound(round_index, verdicts, by_worker, checks, distances, accepted,
-                         stacked, params)
+                         stacked, params, rows=source, scratch=owned)
 
 
 def aggregate_locally(run: RunContext, filtered: FilteredRound, beacon_seed: bytes
-                      ) -> torch.Tensor | None:
-    """The run's aggregator over the accepted rows, computed by this validator alone."""
-    if filtered.stacked is None:
+                      ) -> RowsAggregate | None:
+    """The run's aggregator over the accepted rows, computed by this validator alone.
+
+    ``aggregation.aggregate_rows``: CenteredClip from the median streams over the rows
+    (resolving ``tau_rel`` on the way) and returns its radius and clip factors.
+    """
+    source = filtered.source()
+    if source is None:
         return None
-    agg = build_aggregator(
-        run.spec.aggregator["name"], filtered.params,
-        seed=derive_seed(beacon_seed, "aggregate", filtered.round_index),
-    )
-    if filtered.weights is not None:
-        weights = torch.tensor(filtered.weights, dtype=torch.float64)
-        return agg(filtered.stacked, weights=weights).to(torch.float32)
-    return agg(filtered.stacked).to(torch.float32)
+    weights = (None if filtered.weights is None
+               else torch.tensor(filtered.weights, dtype=torch.float64))
+    out = aggregate_rows(run.spec.aggregator["name"], filtered.params, source, weights,
+                         seed=derive_seed(beacon_seed, "aggregate", filtered.round_index))
+    return replace(out, aggregate=out.aggregate.to(torch.float32))
 
 
-def finish_round(
+@dataclass
+class OuterStepped:
+    """A round's aggregate applied: the broadcast payload, the new model and outer state,
+    and each accepted worker's clip quality (``step_round``)."""
+
+    aggregate: torch.Tensor
+    update_payload: bytes
+    new_flat: torch.Tensor
+    new_outer: OuterState
+    quality: dict[str, float]
+
+
+def step_round(
     run: RunContext,
     filtered: FilteredRound,
-    aggregate: torch.Tensor | None,
+    aggregate: torch.Tensor | RowsAggregate | None,
     base_flat: torch.Tensor,
     outer: OuterState,
-    *,
-    device: str = "cpu",
-) -> RoundOutcome:
-    """From the round's aggregate to the next model, eval loss, verdicts and scores.
+) -> OuterStepped:
+    """Compress the round's aggregate (error feedback) and take the outer step on what was
+    sent; the clip qualities min(1, tau / ||x_i - v||) come with an aggregate from
+    ``aggregate_locally``, otherwise (a sharded aggregate) from the rows.
 
-    ``aggregate`` is None when no update was accepted (the outer step then
-    applies momentum alone).
+    ``aggregate`` is None when no update was accepted (the outer step then applies
+    momentum alone). Nothing returned refers to ``base_flat`` or ``outer``; an ``outer``
+    the caller does not keep (passed as a temporary) loses its residual before the outer
+    step allocates the new model.
     """
+    spec = run.spec
+    source = filtered.source()
+    vector = aggregate.aggregate if isinstance(aggregate, RowsAggregate) else aggregate
+    if vector is not None and source is not None:
+        if isinstance(aggregate, RowsAggregate) and aggregate.clip_factors is not None:
+            per_row = [float(f) for f in aggregate.clip_factors.tolist()]
+        else:
+            tau = aggregate.tau if isinstance(aggregate, RowsAggregate) else filtered.tau
+            if tau is None and "tau_rel" in filtered.params:
+                tau = clip_radius(source, filtered.params["tau_rel"])
+            per_row = clip_quality(source, vector, tau)
+        quality = {w: per_row[i] for w, i in filtered.row_index().items()}
+    else:
+        vector = torch.zeros_like(base_flat)
+        quality = {}
+    momentum = outer.momentum
+    update_payload, sent, residual = encode_update(
+        run.codec, vector, outer.residual, seed=run.update_seed(filtered.round_index))
+    del outer  # the old residual is done with: freed now if the caller kept no reference
+    new_flat, new_momentum = outer_step(
+        base_flat, momentum, sent, lr=spec.outer["lr"], mu=spec.outer["momentum"],
+        nesterov=spec.outer["nesterov"],
+    )
+    return OuterStepped(vector, update_payload, new_flat, OuterState(new_momentum, residual),
+                        quality)
+
+
+def conclude_round(run: RunContext, filtered: FilteredRound, stepped: OuterStepped, *,
+                   device: str = "cpu") -> RoundOutcome:
+    """The new model's eval loss, the verdicts and the scores."""
     spec = run.spec
     verdicts = dict(filtered.verdicts)
     by_worker, checks = filtered.by_worker, filtered.checks
     accepted = filtered.accepted
-    if aggregate is not None and filtered.stacked is not None:
-        per_row = clip_quality(filtered.stacked, aggregate, filtered.tau)
-        quality = {w: per_row[i] for w, i in filtered.row_index().items()}
-    else:
-        aggregate = torch.zeros_like(base_flat)
-        quality = {}
-    update_payload, sent, residual = encode_update(
-        run.codec, aggregate, outer.residual, seed=run.update_seed(filtered.round_index))
-    new_flat, new_momentum = outer_step(
-        base_flat, outer.momentum, sent, lr=spec.outer["lr"], mu=spec.outer["momentum"],
-        nesterov=spec.outer["nesterov"],
-    )
-    eval_loss = run.evaluate(new_flat, device=device)
+    quality = stepped.quality
+    eval_loss = run.evaluate(stepped.new_flat, device=device)
 
     for worker in accepted:
         c = by_worker[worker]
@@ -260,13 +430,29 @@ def finish_round(
     return RoundOutcome(
         verdicts=[verdicts[w] for w in sorted(verdicts)],
         scores=score_rows,
-        new_flat=new_flat,
-        new_outer=OuterState(new_momentum, residual),
-        update_payload=update_payload,
+        new_flat=stepped.new_flat,
+        new_outer=stepped.new_outer,
+        update_payload=stepped.update_payload,
         eval_loss=eval_loss,
-        aggregate=aggregate,
+        aggregate=stepped.aggregate,
         spot_checked=sorted(checks),
     )
+
+
+def finish_round(
+    run: RunContext,
+    filtered: FilteredRound,
+    aggregate: torch.Tensor | RowsAggregate | None,
+    base_flat: torch.Tensor,
+    outer: OuterState,
+    *,
+    device: str = "cpu",
+) -> RoundOutcome:
+    """From the round's aggregate to the next model, eval loss, verdicts and scores:
+    ``step_round`` then ``conclude_round`` (the node runs the two apart, dropping the
+    base model and outer state in between)."""
+    stepped = step_round(run, filtered, aggregate, base_flat, outer)
+    return conclude_round(run, filtered, stepped, device=device)
 
 
 def process_round(
@@ -282,14 +468,20 @@ def process_round(
     *,
     reveals: Mapping[str, bytes | None] | None = None,
     device: str = "cpu",
+    scratch: str | Path | None = None,
+    rows_in_memory: bool = False,
 ) -> RoundOutcome:
     """Verdicts, scores and the next model for one closed round, aggregated locally.
 
     ``filter_round``, then ``aggregate_locally``, then ``finish_round``; a sharded
     run replaces the middle step with the validators' exchange
-    (validators/sharded.py).
+    (validators/sharded.py). The round's row file is removed before returning.
     """
     filtered = filter_round(run, round_index, base_model_hash, base_flat, candidates,
-                            registered, banned, beacon_seed, reveals=reveals, device=device)
-    aggregate = aggregate_locally(run, filtered, beacon_seed)
-    return finish_round(run, filtered, aggregate, base_flat, outer, device=device)
+                            registered, banned, beacon_seed, reveals=reveals, device=device,
+                            scratch=scratch, rows_in_memory=rows_in_memory)
+    try:
+        aggregate = aggregate_locally(run, filtered, beacon_seed)
+        return finish_round(run, filtered, aggregate, base_flat, outer, device=device)
+    finally:
+        filtered.close()

@@ -1,0 +1,306 @@
+"""Streamed CenteredClip: the validator's aggregate read from files by column chunks.
+
+``centered_clip_rows`` over a row file must give the very bytes it gives over the same
+rows in memory (every validator, the swarm and the benchmarks call this one function),
+agree with the in-memory ``CenteredClip`` from the median to rounding, resolve
+``tau_rel`` as ``resolve_aggregator_params`` does, keep far Byzantine rows within
+CenteredClip's bound, and never hold N decoded updates at once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from veritrain.aggregation import (
+    AggregationInputError,
+    CenteredClip,
+    FileRows,
+    Krum,
+    NonFiniteUpdateError,
+    RowFile,
+    TensorRows,
+    aggregate_rows,
+    build_aggregator,
+    centered_clip_rows,
+    clip_radius,
+    row_distances,
+)
+from veritrain.aggregation.coordinate import median_and_lower
+from veritrain.aggregation.streamed import ROWS_CHUNK
+from veritrain.validators.round import clip_quality, resolve_aggregator_params
+
+
+def _rows(n: int, d: int, seed: int, outliers: int = 0, scale: float = 50.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(d, generator=gen) + 0.5 * torch.randn(n, d, generator=gen)
+    x[:outliers] *= scale
+    return x
+
+
+def _file_rows(x: torch.Tensor, directory: str | Path, picked: list[int] | None = None
+               ) -> FileRows:
+    store = RowFile(Path(directory) / "rows.f32", x.shape[1])
+    for row in x:
+        store.append(row)
+    return store.rows(picked)
+
+
+def _old_tau(x: torch.Tensor, tau_rel: float) -> float:
+    """validators/round.py's radius before streaming: torch's coordinate median, float64
+    norms, the lower median over rows."""
+    center = x.median(dim=0).values
+    spread = torch.linalg.vector_norm((x - center).double(), dim=1).median()
+    return max(tau_rel * float(spread), 1e-12)
+
+
+# --- streamed == in memory, bit for bit ---------------------------------------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(1, 9),
+    d=st.integers(1, 700),
+    chunk=st.sampled_from([1, 7, 64, 333, ROWS_CHUNK]),
+    seed=st.integers(0, 2**31 - 1),
+    outliers=st.integers(0, 3),
+    weighted=st.booleans(),
+    relative=st.booleans(),
+)
+def test_file_rows_give_the_same_bytes_as_rows_in_memory(n, d, chunk, seed, outliers, weighted,
+                                                         relative):
+    x = _rows(n, d, seed, min(outliers, (n - 1) // 2))
+    weights = None
+    if weighted:
+        gen = torch.Generator().manual_seed(seed + 1)
+        weights = torch.randint(0, 4, (n,), generator=gen).double()
+        weights[seed % n] = 1.0  # a positive sum
+    kwargs = {"tau_rel": 1.0} if relative else {"tau": float(math.sqrt(d))}
+    in_memory = centered_clip_rows(TensorRows(x), weights, chunk=chunk, **kwargs)
+    with tempfile.TemporaryDirectory() as tmp:
+        streamed = centered_clip_rows(_file_rows(x, tmp), weights, chunk=chunk, **kwargs)
+    assert torch.equal(in_memory[0], streamed[0])
+    assert torch.equal(in_memory[1].clip_factors, streamed[1].clip_factors)
+    assert in_memory[1].tau == streamed[1].tau
+    assert in_memory[1].iterations_run == streamed[1].iterations_run
+
+
+@pytest.mark.parametrize("n", [2, 5, 8])
+def test_default_chunks_over_a_file_subset_match_memory(tmp_path, n):
+    d = 2 * ROWS_CHUNK + 12345  # not a multiple of the chunk
+    x = _rows(n + 2, d, n, outliers=1)
+    picked = [n + 1, *range(1, n)]  # a subset of the file's rows, in another order
+    streamed, st_stats = centered_clip_rows(_file_rows(x, tmp_path, picked), tau_rel=1.0)
+    in_memory, mem_stats = centered_clip_rows(TensorRows(x[picked]), tau_rel=1.0)
+    assert torch.equal(streamed, in_memory)
+    assert torch.equal(st_stats.clip_factors, mem_stats.clip_factors)
+    assert st_stats.tau == mem_stats.tau
+
+
+def test_chunked_median_is_the_whole_median():
+    x = _rows(6, 100_003, 3, outliers=2)
+    rows = TensorRows(x)
+    from veritrain.aggregation.streamed import median_gram
+
+    mg = median_gram(rows, chunk=777, lower=True)
+    median, lower = median_and_lower(x)
+    assert torch.equal(mg.median, median)
+    assert torch.equal(lower, x.median(dim=0).values)  # torch's lower middle value
+
+
+# --- agreement with CenteredClip and the round's tau ---------------------------------
+
+
+@pytest.mark.parametrize(("n", "outliers", "weighted"),
+                         [(1, 0, False), (2, 0, False), (3, 1, False), (4, 1, False),
+                          (7, 3, False), (16, 5, False), (6, 2, True), (9, 4, True)])
+def test_agrees_with_centered_clip_and_the_rounds_tau(n, outliers, weighted):
+    d = 50_001
+    x = _rows(n, d, 10 + n, outliers)
+    weights = torch.arange(1, n + 1, dtype=torch.float64) if weighted else None
+    v, stats = centered_clip_rows(TensorRows(x), weights, tau_rel=1.0)
+    tau = _old_tau(x, 1.0)
+    assert stats.tau == pytest.approx(tau, rel=1e-6)
+    resolved = resolve_aggregator_params({"tau_rel": 1.0, "iterations": 10}, x)
+    assert resolved == {"tau": clip_radius(TensorRows(x), 1.0), "iterations": 10}
+    # without weights the very radius; with weights the Gram is centred at the weighted
+    # median, so the unweighted radius comes out with other rounding
+    assert resolved["tau"] == (pytest.approx(stats.tau, rel=1e-12) if weighted else stats.tau)
+    ref = CenteredClip(stats.tau, start="median")(x, weights)
+    spread = float((x - ref).norm(dim=1).median())
+    assert float((v - ref).norm()) <= 1e-5 * max(float(ref.norm()), spread)
+    factors = clip_quality(x, ref, stats.tau)
+    assert stats.clip_factors.tolist() == pytest.approx(factors, rel=1e-6, abs=1e-9)
+    if outliers and n > 2:
+        assert float(stats.clip_factors[:outliers].max()) < 0.2  # the far rows are clipped
+
+
+def test_far_byzantine_rows_move_the_result_by_at_most_the_clipping_bound():
+    n_honest, f, d, iterations = 9, 4, 20_000, 10
+    honest = _rows(n_honest, d, 7)
+    mu = honest.mean(0)
+    direction = torch.randn(d, generator=torch.Generator().manual_seed(8))
+    results = {}
+    for magnitude in (1e6, 1e9):
+        byzantine = mu + magnitude * direction / direction.norm() * torch.ones(f, 1)
+        x = torch.cat([honest, byzantine])
+        v, stats = centered_clip_rows(TensorRows(x), tau_rel=1.0, iterations=iterations)
+        start = median_and_lower(x)[0]
+        bound = float((start - mu).norm()) + iterations * f / (n_honest + f) * stats.tau
+        assert float((v - mu).norm()) <= bound
+        assert float((v - mu).norm()) <= stats.tau  # in practice well inside the honest spread
+        assert float(x.mean(0).sub(mu).norm()) > 100 * bound  # the mean is dragged away
+        results[magnitude] = (v, stats.tau)
+    # Clipped rows pull by tau whatever their size: 1e6 or 1e9 away, the same aggregate.
+    (v1, tau1), (v2, _) = results[1e6], results[1e9]
+    assert float((v1 - v2).norm()) <= 1e-3 * tau1
+
+
+def test_nonfinite_rows_are_refused_by_name(tmp_path):
+    x = _rows(5, 3 * 1000 + 17, 4)
+    x[1, 5] = math.nan
+    x[3, 2900] = math.inf
+    for rows in (TensorRows(x), _file_rows(x, tmp_path)):
+        with pytest.raises(NonFiniteUpdateError) as err:
+            centered_clip_rows(rows, tau_rel=1.0, chunk=1000)
+        assert err.value.rows == (1, 3)
+
+
+def test_input_checks():
+    x = _rows(3, 10, 0)
+    with pytest.raises(AggregationInputError, match="exactly one"):
+        centered_clip_rows(TensorRows(x))
+    with pytest.raises(AggregationInputError, match="exactly one"):
+        centered_clip_rows(TensorRows(x), tau=1.0, tau_rel=1.0)
+    with pytest.raises(AggregationInputError):
+        centered_clip_rows(TensorRows(x), tau=-1.0)
+    with pytest.raises(AggregationInputError):
+        centered_clip_rows(x, tau=1.0)  # a tensor is not a row source
+    with pytest.raises(AggregationInputError):
+        TensorRows(x.to(torch.float16))
+
+
+def test_row_file_checks_its_size(tmp_path):
+    path = tmp_path / "rows.f32"
+    path.write_bytes(bytes(4 * 10))
+    assert FileRows(path, 2, 5).read(1, 4).shape == (2, 3)
+    with pytest.raises(AggregationInputError):
+        FileRows(path, 3, 5)
+    with pytest.raises(AggregationInputError):
+        FileRows(path, 2, 5, [2])
+
+
+# --- the run's aggregator over a row source ------------------------------------------
+
+
+def test_aggregate_rows_streams_centered_clip_and_stacks_the_others(tmp_path):
+    x = _rows(7, 5000, 2, outliers=2)
+    rows = _file_rows(x, tmp_path)
+    out = aggregate_rows("centered_clip", {"tau_rel": 1.0, "iterations": 10}, rows)
+    v, stats = centered_clip_rows(TensorRows(x), tau_rel=1.0, iterations=10)
+    assert torch.equal(out.aggregate, v) and out.tau == stats.tau
+    assert torch.equal(out.clip_factors, stats.clip_factors)
+    krum = aggregate_rows("krum", {"f": 2}, rows)
+    assert torch.equal(krum.aggregate, Krum(2)(x)) and krum.clip_factors is None
+    bucketed = aggregate_rows("centered_clip", {"tau_rel": 1.0, "bucket_size": 2}, rows, seed=3)
+    expected = build_aggregator("centered_clip", {"tau": stats.tau, "bucket_size": 2}, seed=3)(x)
+    assert bucketed.tau == stats.tau and torch.equal(bucketed.aggregate, expected)
+    zero_start = aggregate_rows("centered_clip", {"tau": 2.0, "start": "zero"}, rows)
+    assert torch.equal(zero_start.aggregate, CenteredClip(2.0, start="zero")(x))
+
+
+def test_row_distances_match_the_dense_formula(tmp_path):
+    x = _rows(6, 70_001, 5, outliers=1)
+    v = x.mean(0)
+    exact = torch.linalg.vector_norm(x.double() - v.double(), dim=1)
+    dense = torch.linalg.vector_norm((x - v).double(), dim=1)  # float32 differences
+    for rows in (TensorRows(x), _file_rows(x, tmp_path)):
+        got = row_distances(rows, v, chunk=4096).tolist()
+        assert got == pytest.approx(exact.tolist(), rel=1e-13)
+        assert got == pytest.approx(dense.tolist(), rel=1e-7)
+
+
+# --- memory: never N updates at once ------------------------------------------------
+
+
+def test_largest_allocation_does_not_grow_with_n(tmp_path):
+    """Every tensor the streamed rule allocates (one thread: the dispatch mode sees all
+    ops), for N = 4 and N = 16 rows of D = 2^20 in a file: the largest is a [D] vector
+    (the median, the result), never N x D."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.nbytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.nbytes = max(self.nbytes, t.untyped_storage().nbytes())
+            return out
+
+    d = 1 << 20
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        largest = {}
+        for n in (4, 16):
+            gen = torch.Generator().manual_seed(n)
+            store = RowFile(tmp_path / f"rows-{n}.f32", d)
+            for _ in range(n):
+                store.append(torch.randn(d, generator=gen))
+            with Largest() as mode:
+                centered_clip_rows(store.rows(), tau_rel=1.0, chunk=8192)
+            largest[n] = mode.nbytes
+    finally:
+        torch.set_num_threads(threads)
+    assert largest[4] == largest[16] == 4 * d
+
+
+_PEAK = """
+import sys, torch
+from pathlib import Path
+from veritrain.aggregation import RowFile, centered_clip_rows
+n, d, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+gen = torch.Generator().manual_seed(n)
+store = RowFile(Path(path), d)
+for _ in range(n):
+    store.append(torch.randn(d, generator=gen))
+rows = store.rows()
+centered_clip_rows(rows, tau_rel=1.0, chunk=8192)  # warm up (thread pool, allocator)
+def kib(field):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+before = kib("VmRSS")
+Path("/proc/self/clear_refs").write_text("5")
+centered_clip_rows(rows, tau_rel=1.0, chunk=8192)
+print((kib("VmHWM") - before) * 1024)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_peak_resident_memory_does_not_grow_with_n(tmp_path):
+    """Peak extra resident memory of one call (fresh process, glibc returning large blocks):
+    about the median and the result, 8 B/param, for 4 rows as for 16."""
+    d = 1 << 21
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
+    peak = {}
+    for n in (4, 16):
+        done = subprocess.run([sys.executable, "-c", _PEAK, str(n), str(d),
+                               str(tmp_path / f"rows-{n}.f32")],
+                              env=env, capture_output=True, text=True, check=True)
+        peak[n] = int(done.stdout.split()[-1])
+    stack16 = 16 * d * 4
+    assert peak[16] < 3 * 4 * d < stack16 / 5  # well under one more copy of the rows
+    assert abs(peak[16] - peak[4]) < 4 * d  # growing with N would add 12 x 4 x D here
