@@ -94,7 +94,12 @@ from veritrain.protocol.messages import Submission
 from veritrain.protocol.reveal import binding_is_local
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import sha256_hex
-from veritrain.protocol.training import TrainingState, commitment_of, train_segment
+from veritrain.protocol.training import (
+    TrainingState,
+    commitment_of,
+    torch_threads,
+    train_segment,
+)
 from veritrain.validators.spot_checks import CheckResult, check_reveal, opened_index
 from veritrain.workers.evidence import MemoryStore, RoundEvidence, reveal_bytes
 from veritrain.workers.round import prepare_submission
@@ -121,15 +126,8 @@ BENCH_SEED = hashlib.sha256(b"veritrain/bench/verification/beacon-seed").digest(
 # --- settings and small helpers -------------------------------------------------------
 
 
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    """``torch.set_num_threads(n)`` inside the block."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
+#: ``torch.set_num_threads(n)`` inside the block (the validators' own helper).
+num_threads = torch_threads
 
 
 @contextlib.contextmanager
