@@ -1,9 +1,11 @@
 """Verified training at the size people train: what grows with the model, per parameter.
 
-    .venv/bin/python bench/scale.py [--workers 2] [--validators 1] [--rounds 2] [--steps 4]
+    .venv/bin/python bench/scale.py [--workers 2] [--validators 1] [--rounds 3] [--steps 4]
+                                    [--audit-window 1]
                                     [--batch 4] [--n-layer 12] [--n-embd 768] [--n-head 12]
                                     [--seq-len 128] [--keep-every N] [--ab-runs 3]
     .venv/bin/python bench/scale.py --validator-only-workers 8 [--steps 4] [--batch 4] ...
+    .venv/bin/python bench/scale.py --ab-only [--ab-runs 3] [--ab-threads 2]
 
 A real swarm at the ``scale`` reference size (charlm at GPT-2-small shape: 85.35M
 parameters by default; ``--n-layer``/``--n-embd``/``--n-head``/``--seq-len`` go bigger on
@@ -16,7 +18,10 @@ talking HTTP on loopback, each with one torch thread, the ``demo`` preset's rule
   verification, model and update) and per parameter (the nodes' own client counts them:
   ``veritrain worker --stats``);
 * the peak RSS of every role (VmHWM of each process) per parameter;
-* the ledger's disk after each round, and per parameter and round in steady state;
+* the ledger's disk after each round (measured once its pruner has removed the files of
+  the round that left the ``--audit-window``), and the last round's growth per parameter:
+  the steady state once ``--rounds`` exceeds the window by 2 (the defaults: 3 rounds,
+  window 1);
 * seconds per phase of a round, from the ledger's records (train, close, verification,
   aggregation and certificate) and the share of a round a worker spends waiting;
 * the worker's inner step against a plain PyTorch AdamW step of the same model, batch and
@@ -161,7 +166,8 @@ def run_swarm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     disk: list[int] = []
     rounds: list[dict[str, Any]] = []
     try:
-        url = procs.start_ledger(work / "ledger")
+        url = procs.start_ledger(work / "ledger",
+                                 extra=["--audit-window", str(args.audit_window)])
         rss.watch("ledger", procs.procs["ledger"].pid)
         asyncio.run(publish_run(url, bundle))
         for i, ident in enumerate(validators):
@@ -186,12 +192,14 @@ def run_swarm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             info = asyncio.run(_current(url))
             if info["round"] != seen:
                 if seen >= 0:
+                    asyncio.run(_pruned_through(url, "scale-run", seen - args.audit_window))
                     disk.append(du(work / "ledger"))
                     rounds.append(asyncio.run(_round_view(url, "scale-run", seen)))
                     _log(f"round {seen} finalized at {time.monotonic() - started:.0f}s, "
                          f"ledger disk {disk[-1] / 1e9:.2f} GB")
                 seen = info["round"]
             if info["run_status"] != "active":
+                asyncio.run(_pruned_through(url, "scale-run", seen - args.audit_window))
                 disk.append(du(work / "ledger"))
                 rounds.append(asyncio.run(_round_view(url, "scale-run", seen)))
                 _log(f"run finished at {time.monotonic() - started:.0f}s")
@@ -212,6 +220,22 @@ def run_swarm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     stats = {p.name.split(".")[0]: json.loads(p.read_text()) for p in work.glob("*.stats.json")}
     return {"numel": numel, "rss": rss.peaks, "disk": disk, "rounds": rounds, "stats": stats,
             "bundle": bundle}
+
+
+async def _pruned_through(url: str, run_id: str, r: int, timeout: float = 60.0) -> None:
+    """Wait until the ledger's pruner has recorded round ``r``'s files as gone (nothing to
+    wait for while ``r`` < 0, inside the audit window), then for their deletion."""
+    if r < 0:
+        return
+    deadline = time.monotonic() + timeout
+    async with LedgerClient(url) as client:
+        while time.monotonic() < deadline:
+            page = await client.get_json(f"/v1/runs/{run_id}/pruned?limit=1000")
+            if any(row["round"] == r for row in page["pruned"]):
+                await asyncio.sleep(2.0)  # recorded first, then deleted
+                return
+            await asyncio.sleep(0.5)
+    _log(f"round {r}: nothing pruned within {timeout:.0f}s")
 
 
 async def _current(url: str) -> dict[str, Any]:
@@ -327,7 +351,8 @@ def run_validator_only(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     started = time.monotonic()
     results: list[list[dict[str, Any]]] = []
     try:
-        url = procs.start_ledger(work / "ledger")
+        url = procs.start_ledger(work / "ledger",
+                                 extra=["--audit-window", str(args.audit_window)])
         asyncio.run(publish_run(url, bundle))
         key = work / "validator-0.key"
         write_key_file(key, validator)
@@ -515,7 +540,12 @@ def report(swarm: dict[str, Any], ab: dict[str, list[float]], args: argparse.Nam
     print("\nledger disk after each round: " + ", ".join(f"{d / 1e9:.2f} GB" for d in disk))
     steady = (disk[-1] - disk[-2]) if len(disk) >= 2 else disk[-1]
     disk_per_round = steady / numel
-    print(f"  steady state (last round): {steady / 1e9:.2f} GB = {disk_per_round:.1f} B/param")
+    pruning = (f"the ledger prunes reveals and superseded models {args.audit_window} "
+               f"finalized round(s) later" if len(disk) > args.audit_window + 1 else
+               f"no round has left the audit window of {args.audit_window} yet: not a "
+               f"steady state")
+    print(f"  growth in the last round: {steady / 1e9:.2f} GB = {disk_per_round:.1f} B/param "
+          f"({pruning})")
     print("\nseconds per phase of a round (ledger times):")
     for ph in _phases(swarm["rounds"]):
         print("  round {round}: ".format(**ph) + ", ".join(
@@ -553,7 +583,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--validators", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--audit-window", type=int, default=1, metavar="ROUNDS",
+                        help="the ledger's --audit-window: reveals and superseded models go "
+                             "this many finalized rounds later (disk in steady state)")
     parser.add_argument("--steps", type=int, default=4, help="inner steps H (k = 1)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per inner step")
     parser.add_argument("--n-layer", type=int, default=12)
@@ -567,6 +600,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ab-threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--ab-only", action="store_true",
+                        help="only the A/B of the inner step (no swarm): re-measure the speed "
+                             "on a quiet machine")
     parser.add_argument("--validator-only-workers", type=int, default=0, metavar="N",
                         help="measure the validator alone with N workers prepared here "
                              "beforehand (no swarm, no A/B)")
@@ -578,6 +614,17 @@ def main(argv: list[str] | None = None) -> int:
             line = report_validator_only(run_validator_only(args, work), args)
             print(f"\n(total {time.monotonic() - started:.0f}s)")
             print(line)
+            return 0
+        if args.ab_only:
+            bundle = build_run(Identity.generate("organiser"), "scale-run", scale_settings(args),
+                               [Identity.generate("validator").public])
+            ab = speed_ab(bundle, work, args.ab_runs, args.ab_threads, args.keep_every)
+            plain, ours = statistics.median(ab["plain"]), statistics.median(ab["worker"])
+            numel = bundle.signed.message.num_params
+            print(f"\ninner step, {args.ab_threads} thread(s), batch {args.batch}x{args.seq_len}: "
+                  f"plain median {plain:.2f}s, the worker's {ours:.2f}s ({len(ab['plain'])} "
+                  f"steps each): overhead {1e9 * (ours - plain) / numel:.1f} ns/param/step")
+            print(f"scale_ab: params={numel} worker_speed_vs_plain={plain / ours:.3f}")
             return 0
         swarm = run_swarm(args, work)
         _log(f"swarm done in {time.monotonic() - started:.0f}s; A/B of the inner step")

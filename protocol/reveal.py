@@ -44,6 +44,7 @@ from .challenges import ChallengePolicy
 from .commitments import CHUNK, LEAF, chunk_count
 from .errors import PayloadError
 from .runtime import RunContext
+from .tensors import all_finite
 
 _DTYPES = {"F32": (torch.float32, 4), "U8": (torch.uint8, 1)}
 #: A reveal's header is small: a few entries per challenged segment.
@@ -146,7 +147,7 @@ def parse_reveal(data: bytes | memoryview, layout: RevealLayout) -> dict[str, to
             continue
         piece = view[offset:offset + count * width]
         tensor = torch.frombuffer(piece, dtype=torch_dtype).view(shape)
-        if torch_dtype == torch.float32 and not bool(torch.isfinite(tensor).all()):
+        if torch_dtype == torch.float32 and not all_finite(tensor):
             raise PayloadError(f"reveal tensor {name} holds NaN or Inf")
         out[name] = tensor
         offset += count * width

@@ -26,6 +26,26 @@ ParamShapes = Sequence[tuple[str, tuple[int, ...]]]
 MAX_HEADER_BYTES = 1 << 20
 
 
+
+#: Elements per slice of :func:`all_finite`'s exact scan (4 MiB of float32).
+_FINITE_SCAN = 1 << 20
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite, with no temporary of ``t``'s size.
+
+    A finite sum means finite elements (NaN and Inf propagate through it); only a sum
+    that is not finite (a NaN or Inf, or finite terms overflowing) needs the exact scan,
+    made in slices. ``torch.isfinite(t).all()`` on a whole model allocates 6 bytes per
+    element (``abs`` and two boolean masks): 0.5 GB at 85M parameters, at the end of
+    every worker's round.
+    """
+    flat = t.reshape(-1)
+    if bool(torch.isfinite(flat.sum())):
+        return True
+    return all(bool(torch.isfinite(flat[i:i + _FINITE_SCAN]).all())
+               for i in range(0, flat.numel(), _FINITE_SCAN))
+
 def param_shapes(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     """Names and shapes of the trainable parameters, in module order."""
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
@@ -149,7 +169,7 @@ def decode_flat(data: bytes, shapes: ParamShapes, *, max_bytes: int) -> torch.Te
     for name, start, at in places:
         n = 4 * sizes[name]
         out[4 * start:4 * start + n] = body[at:at + n]
-    if not bool(torch.isfinite(flat).all()):
+    if not all_finite(flat):
         raise NonFiniteError("tensor file holds NaN or Inf")
     return flat
 

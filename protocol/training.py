@@ -31,8 +31,9 @@ import torch
 
 from .commitments import leaves_of, state_commitment, vector_root
 from .errors import RejectedInput
+from .memory import release_free_memory
 from .tasks.base import Dataset, Task
-from .tensors import load_flat_params
+from .tensors import all_finite, load_flat_params
 
 # cuBLAS reads this when it creates its workspace; deterministic GEMMs on CUDA
 # need it, and it must be set before the first CUDA matmul of the process.
@@ -518,7 +519,7 @@ def run_steps(
         entry, last = committer.wait()
         trail.append(entry)
     trainer.opt.zero_grad(set_to_none=True)  # the gradients are not needed any more
-    if not bool(torch.isfinite(trainer.flat).all()):
+    if not all_finite(trainer.flat):
         raise TrainingDivergedError(f"parameters are not finite after step {trainer.step}")
     return trail, last
 
@@ -667,6 +668,7 @@ def local_train(
             f"got {tuple(assignment.shape)}")
     dev = torch.device(device)
     losses: list[float] = []
+    release_free_memory()  # what the round's set-up freed goes before the trainer comes
     with deterministic_mode(dev, deterministic):
         trainer = _Trainer(task, dataset, cfg, dev)
         if start is None:
@@ -678,6 +680,7 @@ def local_train(
                                   progress=progress)
     final = trainer.flat.detach().cpu()
     del trainer  # its moments go now (the sink has seen every state), before the delta
+    release_free_memory()  # and the steps' freed gradients and activations with them
     return LocalTrainResult(
         final_flat=final,
         delta=state_base(base_flat) - final,

@@ -13,7 +13,6 @@ from the ledger and carries on.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import functools
 import hashlib
 import json
@@ -44,6 +43,7 @@ from veritrain.protocol.beacon import (
 from veritrain.protocol.challenges import ChallengePolicy, max_reveal_file_bytes
 from veritrain.protocol.errors import NonFiniteError, PayloadError, RejectedInput
 from veritrain.protocol.identity import Identity
+from veritrain.protocol.memory import release_free_memory
 from veritrain.protocol.messages import (
     BeaconShare,
     CertifiedState,
@@ -64,7 +64,7 @@ from veritrain.protocol.messages import (
 from veritrain.protocol.outer import OuterState
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.secagg import check_dealt, words_file_bytes
-from veritrain.protocol.tensors import ParamShapes, _header, sha256_hex, split_flat
+from veritrain.protocol.tensors import ParamShapes, _header, all_finite, sha256_hex, split_flat
 
 from .checks import Candidate
 from .masked import filter_masked_round, words_of
@@ -596,26 +596,6 @@ def step_from_file(run: RunContext, filtered: FilteredRound, aggregate: Any,
         **read_flat_file(outer_path, OuterState.layout(run.numel))))
 
 
-@functools.cache
-def _malloc_trim() -> Any:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-def release_free_memory() -> None:
-    """Give the allocator's free heap pages back to the system (glibc ``malloc_trim``).
-
-    The models built for the spot checks, the probe and the evaluation free hundreds of
-    megabytes of blocks too small to be mapped on their own; kept by the allocator they
-    count in the node's resident memory. A no-op without glibc.
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
 def write_flat_file(path: Path, shapes: ParamShapes, tensors: Mapping[str, torch.Tensor]
                     ) -> str:
     """Write ``encode_flat``'s canonical file of the named float32 tensors (laid out by
@@ -653,7 +633,7 @@ def read_flat_file(path: Path, shapes: ParamShapes) -> dict[str, torch.Tensor]:
             view = memoryview(t.reshape(-1).numpy()).cast("B")
             if f.readinto(view) != len(view):
                 raise PayloadError("tensor file ended early")
-            if not bool(torch.isfinite(t).all()):
+            if not all_finite(t):
                 raise NonFiniteError("tensor file holds NaN or Inf")
             out[name] = t
     return out

@@ -31,6 +31,7 @@ from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.encoding import decode_canonical
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
+from veritrain.protocol.memory import release_free_memory
 from veritrain.protocol.messages import (
     Receipt,
     Registration,
@@ -187,12 +188,16 @@ class WorkerNode:
                     state.model_vector("momentum"), payload, r - 1)
                 if hash_flat(params, run.shapes) == target:
                     state.keep_model(r, target, params, momentum)
+                    del momentum
+                    release_free_memory()  # the decoded update and the outer step's temporaries
                     return params
                 log.warning("round %d: the broadcast update does not reproduce the certified "
                             "model here; downloading it in full", r)
         params, outer = run.decode_base(*await fetch_base_files(
             client, run.spec, info, max_model_bytes=run.max_model_bytes))
         state.keep_model(r, target, params, outer.momentum)
+        del outer
+        release_free_memory()  # the downloaded files and the momentum: not needed to train
         return params
 
     async def answer_challenges(self, client: LedgerClient, run: RunContext,
@@ -248,6 +253,8 @@ class WorkerNode:
                            "submit_s": time.monotonic() - started - trained,
                            "payload_bytes": len(prepared.payload)})
         self.write_stats()
+        del base_flat
+        release_free_memory()  # the round's model and encoding: idle until the next round
         if masked:
             update = run.codec.decode(prepared.payload, run.numel, seed=run.codec_seed(r, self.me))
             attack = self.config.attack if self.config.attack in SECAGG_ATTACKS else None
@@ -330,5 +337,6 @@ async def answer_checks(client: LedgerClient, run: RunContext, identity: Identit
             log.error("round %d: the reveal receipt is not the ledger's for this reveal", r)
             continue
         state.record_reveal(r, wire)
+        release_free_memory()  # what building the reveal (and any replay) freed
         log.info("round %d: revealed %d bytes for segments %s and the payload binding "
                  "(%.1fs)", r, path.stat().st_size, segments, time.monotonic() - started)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from veritrain.protocol.codecs import ErrorFeedback
 from veritrain.protocol.identity import Identity
+from veritrain.protocol.memory import release_free_memory
 from veritrain.protocol.messages import Signed, Submission, sign
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import sha256_hex
@@ -91,6 +92,7 @@ def prepare_submission(
     ef = ErrorFeedback.of(error_feedback.residual)  # step() replaces it; the caller's stays
     payload, _ = ef.step(run.codec, delta, seed=run.codec_seed(r, me),
                          decay=run.spec.feedback_decay)
+    release_free_memory()  # the codec's temporaries
     sub = Submission(
         run_id=run.spec.run_id, round=r, worker=me, base_model_hash=base_hash,
         payload_hash=sha256_hex(payload), payload_bytes=len(payload), codec=run.spec.codec,

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import NonFiniteError, OversizedError, PayloadError
+from ..tensors import all_finite
 
 __all__ = [
     "FORMAT_VERSION",
@@ -46,7 +47,6 @@ __all__ = [
     "check_numel",
     "check_seed",
     "check_update",
-    "is_all_finite",
     "params_digest",
 ]
 
@@ -131,17 +131,6 @@ def check_seed(seed: object) -> int:
     return seed
 
 
-def is_all_finite(x: torch.Tensor) -> bool:
-    """Whether every element is finite.
-
-    Fast path: a finite sum implies finite elements (NaN and Inf propagate);
-    only a non-finite sum, possibly a finite overflow, needs the exact test.
-    """
-    if bool(torch.isfinite(x.sum())):
-        return True
-    return bool(torch.isfinite(x).all())
-
-
 def check_update(update: object) -> torch.Tensor:
     """A producer-side input: 1-D, float32, CPU, non-empty, finite. Returns it contiguous.
 
@@ -157,7 +146,7 @@ def check_update(update: object) -> torch.Tensor:
         )
     check_numel(update.numel())
     x = update.detach().contiguous()
-    if not is_all_finite(x):
+    if not all_finite(x):
         raise ValueError("update holds NaN or Inf")
     return x
 
@@ -254,7 +243,7 @@ class BaseCodec(ABC):
     def decode(self, payload: bytes, numel: int, *, seed: int = 0) -> torch.Tensor:
         body = self._open(payload, numel, seed)
         out = self._decode_body(body, numel, seed)
-        if not is_all_finite(out):
+        if not all_finite(out):
             raise NonFiniteError(f"{self.name} payload decodes to NaN or Inf")
         return out
 
