@@ -281,6 +281,13 @@ def test_the_instrumented_swarm_times_the_real_checks():
     assert (timers.validator_steps_cpu + timers.validator_bindings_cpu
             <= timers.validator_checks_cpu)  # parts of the round's check_reveal only
     assert timers.capture_cpu > 0  # states the swarm's workers did not keep were copied
+    # Traffic is read from what the nodes produced: each honest payload, every submitter's
+    # payload and reveal as the validator received them, and the round's inputs kept.
+    candidates = timers.last_round[0][5]
+    assert sorted(timers.payload_sizes) == sorted(len(c.payload) for c in candidates
+                                                  if c.worker != rider)
+    assert len(timers.validator_down) == 1 and timers.validator_down[0][2] == 3
+    assert timers.validator_down[0][1] == timers.reveal_bytes  # the rider revealed nothing
     assert len(claims) == 2
     for claim in claims:
         assert all(claim.evidence.store.has(f"state-{s}") for s in range(1, 11))
@@ -378,6 +385,26 @@ def test_checks_of_folds_the_binding_into_each_step_check():
     rows[0]["distance"], rows[-1]["ok"], rows[-1]["note"] = 0.0, False, "payload differs"
     (step, _) = V.checks_of(rows)
     assert not step.ok and step.binding is False and step.note == "binding: payload differs"
+
+
+def test_seeds_and_their_worst():
+    """Bench seed 0 keeps the fixed beacon seed and Monte Carlo draws; others differ; the
+    worst of a figure is its max or min as asked, the median beside it."""
+    assert V.bench_seed(0) == SEED and V.seed_salt(0) == b""
+    assert len({V.bench_seed(i) for i in range(3)}) == 3
+    assert V.seed_rng(1, "x").random() != V.seed_rng(0, "x").random()
+    assert V.worst_and_median([0.2, 0.5, 0.3]) == (0.5, 0.3)
+    assert V.worst_and_median([0.97, 0.95, 0.99], min) == (0.95, 0.97)
+    honest = V.Check(1e-7, True, "")
+    seeds = [V.Results({"threads 1 -> 2, k=1": [honest] * 4},
+                       {"lr_x2": [V.Check(d, True, "")], "free_rider": [V.Check(None, False, "x")]})
+             for d in (1e-2, 1e-6)]
+    figures = [V.seed_figures(res, 1, 1e-5, 2e-5, 0.04) for res in seeds]
+    assert figures[0].detected == 1.0 and figures[0].weakest == "lr_x2"
+    assert figures[1].detected == 0.0 and figures[1].cheat_min == 1e-6
+    assert all(f.false_positives == 0 and f.honest == 4 for f in figures)
+    pooled = V.merged(seeds)
+    assert len(pooled.honest["threads 1 -> 2, k=1"]) == 8 and len(pooled.cheats["lr_x2"]) == 2
 
 
 def test_threads_restore():
