@@ -18,7 +18,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from veritrain.ledger.client import LedgerClient, LedgerRefused
+from veritrain.ledger.client import LedgerClient, LedgerRefused, fetch_run
+from veritrain.protocol.certificates import verify_certificate
+from veritrain.protocol.errors import RejectedInput
+from veritrain.protocol.messages import RevealReceipt, Submission, open_signed
+from veritrain.protocol.receipts import (
+    ReceiptCheck,
+    certified_verdicts,
+    check_reveal_receipt,
+    check_submission_receipt,
+    open_receipt,
+)
 
 from .chain import ChainRow, body_bytes
 from .export import (
@@ -346,6 +356,34 @@ async def fetch_worker(client: LedgerClient, run_id: str, worker: str) -> dict[s
         offset += PAGE
 
 
+async def audit_receipt(client: LedgerClient, run_id: str, wire: Any) -> ReceiptCheck:
+    """Whether this ledger honoured a receipt it signed (protocol/receipts.py): signed by
+    the ledger's key, a submission in the round's sealed list once the round closed, and
+    in the certified verdicts (the round's quorum certificate, BLS-checked here, and a
+    validator's result whose verdicts hash to it); a reveal receipted in time never
+    certified missing."""
+    ledger_key = (await client.get_json("/v1/ledger"))["ledger_key"]
+    signed = open_receipt(wire, ledger_key)
+    msg = signed.message
+    if msg.run_id != run_id:
+        raise RejectedInput(f"the receipt is for run {msg.run_id}, not {run_id}", "wrong_run")
+    spec = await fetch_run(client, run_id, wait_for=0.0)
+    base = f"/v1/runs/{run_id}/rounds/{msg.round}"
+    info = await client.get_json(base)
+    verdicts = None
+    if info.get("certificate") is not None:
+        cert = verify_certificate(info["certificate"], spec, base_of_round=msg.round + 1)
+        verdicts = certified_verdicts((await client.get_json(f"{base}/results"))["results"],
+                                      cert, spec)
+    if isinstance(msg, RevealReceipt):
+        return check_reveal_receipt(msg, verdicts)
+    sealed = None
+    if info["status"] != "open":
+        wires = (await client.get_json(f"{base}/submissions"))["submissions"]
+        sealed = [open_signed(w, Submission).digest for w in wires]
+    return check_submission_receipt(msg, verdicts, sealed)
+
+
 async def run_audit(args: argparse.Namespace) -> int:
     """``veritrain audit``: a failure the user can fix is a one-line SystemExit."""
     export = getattr(args, "export", None)
@@ -374,6 +412,23 @@ async def run_audit(args: argparse.Namespace) -> int:
             result = await fetch_and_verify(client, run_id, full=full)
             print(json.dumps(result.to_json()) if args.json else format_result(result))
             return 0 if result.ok else 1
+        if args.what == "receipt":
+            if args.arg is None:
+                raise SystemExit("audit receipt needs the receipt file a worker kept, e.g. "
+                                 "`audit receipt STATE_DIR/RUN/receipts/3.json`")
+            try:
+                wire = json.loads(Path(args.arg).read_bytes())
+                check = await audit_receipt(client, run_id, wire)
+            except OSError as exc:
+                print(f"FAILED: cannot read {args.arg}: {exc.strerror or exc}")
+                return 1
+            except (ValueError, RejectedInput) as exc:
+                print(f"FAILED: {exc}")
+                return 1
+            verdict = {True: "HONOURED", False: "NOT HONOURED", None: "UNDECIDED"}[check.honoured]
+            print(json.dumps({"honoured": check.honoured, "reason": check.reason}) if args.json
+                  else f"{verdict}: {check.reason}")
+            return 1 if check.honoured is False else 0
         if args.what == "report":
             data = await client.get_json(f"/v1/runs/{run_id}/report")
             print(json.dumps(data, indent=1) if args.json else format_report(data))

@@ -438,9 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verify: also check every Ed25519 signature (all cores)")
     a.add_argument("--run", help="run id (default: the ledger's only run)")
     a.add_argument("what", nargs="?", default="report",
-                   choices=["report", "worker", "round", "verify", "recheck"],
-                   help="recheck ROUND --worker KEY re-runs that worker's recorded spot checks")
-    a.add_argument("arg", nargs="?", help="worker key (prefix) or round number")
+                   choices=["report", "worker", "round", "verify", "recheck", "receipt"],
+                   help="recheck ROUND --worker KEY re-runs that worker's recorded spot checks; "
+                        "receipt FILE says whether the ledger honoured a receipt a worker kept")
+    a.add_argument("arg", nargs="?", help="worker key (prefix), round number or receipt file")
     a.add_argument("--worker", help="worker key prefix (for recheck)")
     a.add_argument("--json", action="store_true",
                    help="print the API's JSON instead of tables (for scripts)")

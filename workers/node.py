@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from veritrain.ledger.client import LedgerClient, LedgerRefused, fetch_base_files, fetch_run
 from veritrain.protocol.beacon import sealed_list_digest_of, verify_fixed_beacon
-from veritrain.protocol.certificates import verify_certificate
+from veritrain.protocol.certificates import InvalidCertificate, verify_certificate
 from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.encoding import decode_canonical
 from veritrain.protocol.errors import RejectedInput
@@ -40,6 +40,12 @@ from veritrain.protocol.messages import (
     Submission,
     open_signed,
     sign,
+)
+from veritrain.protocol.receipts import (
+    certified_verdicts,
+    check_reveal_receipt,
+    check_submission_receipt,
+    open_receipt,
 )
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import hash_flat
@@ -264,6 +270,40 @@ class WorkerNode:
         return True
 
 
+def check_receipts_honoured(run: RunContext, receipts: list[Any], ledger_key: str,
+                            info: dict[str, Any], results: list[Any]) -> bool:
+    """Once a round is certified, every receipt this worker holds for it must be honoured
+    by the certified verdicts (issue #28): its submission judged, its timely reveal not
+    certified missing. The verdicts come from the round's quorum certificate and a result
+    whose list hashes to it, never from the ledger's word. Logs what it finds; False when
+    the ledger broke a receipt (``veritrain audit receipt`` shows the same to anyone)."""
+    r = info["round"]
+    try:
+        cert = verify_certificate(info["certificate"], run.spec, base_of_round=r + 1)
+        verdicts = certified_verdicts(results, cert, run.spec)
+    except (RejectedInput, InvalidCertificate, KeyError, TypeError) as exc:
+        log.warning("round %d: cannot read the certified verdicts to check this worker's "
+                    "receipts: %s", r, exc)
+        return True
+    honoured = True
+    for wire in receipts:
+        try:
+            signed = open_receipt(wire, ledger_key)
+        except RejectedInput as exc:
+            log.warning("round %d: a kept receipt does not open: %s", r, exc)
+            continue
+        msg = signed.message
+        check = (check_submission_receipt(msg, verdicts) if isinstance(msg, Receipt)
+                 else check_reveal_receipt(msg, verdicts))
+        if check.honoured is False:
+            honoured = False
+            log.error("the ledger did not honour its %s: %s (`veritrain audit receipt` with "
+                      "the receipt file shows it to anyone)", msg.KIND, check.reason)
+        else:
+            log.info("%s honoured: %s", msg.KIND, check.reason)
+    return honoured
+
+
 async def answer_checks(client: LedgerClient, run: RunContext, identity: Identity,
                         state: WorkerState, ledger_key: str, *, device: str = "cpu") -> None:
     """Answer every pending round's checks; drop settled rounds.
@@ -278,6 +318,8 @@ async def answer_checks(client: LedgerClient, run: RunContext, identity: Identit
         base = f"/v1/runs/{spec.run_id}/rounds/{r}"
         info = await client.get_json(base)
         if info["status"] == "finalized":
+            check_receipts_honoured(run, state.receipts(r), ledger_key, info,
+                                    (await client.get_json(f"{base}/results"))["results"])
             state.settle(r)
             continue
         if state.revealed(r) or info["status"] == "open":

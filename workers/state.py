@@ -93,6 +93,17 @@ class WorkerState:
         _atomic_write(self.dir / "receipts" / f"{r}.reveal.json",
                       json.dumps(receipt, sort_keys=True).encode())
 
+    def receipts(self, r: int) -> list[Any]:
+        """The ledger's signed receipts kept for round ``r`` (submission, then reveal)."""
+        out = []
+        for name in (f"{r}.json", f"{r}.reveal.json"):
+            path = self.dir / "receipts" / name
+            if path.exists():
+                wire = json.loads(path.read_bytes())
+                if isinstance(wire, dict) and "body" in wire:  # not a refusal note
+                    out.append(wire)
+        return out
+
     def submitted(self, r: int) -> bool:
         return (self.dir / "receipts" / f"{r}.json").exists()
 
