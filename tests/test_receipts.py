@@ -164,3 +164,52 @@ def test_rules_on_verdict_lists() -> None:
     timely = RevealReceipt(**{**rr.to_body(), "received_at": 3.0})
     assert check_reveal_receipt(timely, missing).honoured is False
     assert check_reveal_receipt(timely, judged).honoured is True
+
+
+def test_every_validator_leaves_out_a_reveal_its_receipt_calls_late(tmp_path) -> None:
+    """Whatever the ledger lists and whenever a validator polls, a reveal whose own
+    signed receipt records it after the deadline is not judged: one reveal set."""
+    import asyncio
+
+    from veritrain.protocol.messages import SpotReveal
+    from veritrain.validators.node import ValidatorConfig, ValidatorNode
+
+    ledger = Identity.generate("ledger")
+    bundle = build_run(Identity.generate("organiser"), "late-run", synthetic_settings(),
+                       [validator_identities(1)[0].public])
+    run = RunContext.build(bundle.signed.message, bundle.dataset)
+    on_time, late = Identity.generate("worker"), Identity.generate("worker")
+    blobs, challenges, submitted = {}, [], {}
+    for w, received in ((on_time, 9.0), (late, 11.0)):
+        me, data = w.public_key.hex(), b"reveal of " + w.public_key.hex().encode()
+        submitted[me] = "aa" * 32
+        env = sign(w, SpotReveal(run_id="late-run", round=0, worker=me,
+                                 submission_digest=submitted[me],
+                                 reveal_hash=sha(data), reveal_bytes=len(data), created_at=1))
+        receipt = sign(ledger, RevealReceipt(
+            run_id="late-run", round=0, worker=me, reveal_digest=env.digest,
+            reveal_hash=sha(data), received_at=received, deadline=10.0, sequence=1))
+        blobs[sha(data)] = data
+        challenges.append({"worker": me, "segments": [0],
+                           "reveal": {"envelope": env.to_wire(), "receipt": receipt.to_wire()}})
+
+    class Board:
+        async def get_json(self, path: str):
+            if path == "/v1/ledger":
+                return {"ledger_key": ledger.public_key.hex()}
+            return {"complete": True, "fixed": True, "now": 12.0, "reveal_deadline": 10.0,
+                    "challenges": challenges}
+
+        async def get_blob(self, digest: str, **_):
+            return blobs[digest]
+
+    node = ValidatorNode(ValidatorConfig(ledger_url="http://unused", run_id="late-run"),
+                         validator_identities(1)[0])
+    got = asyncio.run(node.gather_reveals(Board(), run, 0, submitted))
+    assert set(got) == {on_time.public_key.hex()}
+
+
+def sha(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()

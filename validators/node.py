@@ -271,6 +271,11 @@ class ValidatorNode:
                 if receipt.signer != ledger_key or receipt.message.reveal_digest != env.digest:
                     raise RejectedInput("reveal receipt is not the ledger's for it",
                                         "bad_signature")
+                if receipt.message.received_at > receipt.message.deadline:
+                    # Whatever the ledger lists, every validator leaves a reveal its own
+                    # receipt calls late out: one reveal set, whichever moment it polls.
+                    raise RejectedInput("the ledger's receipt records the reveal after its "
+                                        "deadline", "reveal_late")
                 bound = max_reveal_file_bytes(
                     run.numel, run.inner.trail_every, len(c["segments"]) or 1, policy,
                     payload_bytes=spec.limits["max_payload_bytes"] if spec.masked else 0)
