@@ -10,23 +10,28 @@ used to evaluate them live in ``veritrain.aggregation.attacks``.
 
 from .base import Aggregator
 from .bucketing import Bucketing
-from .centered_clip import CenteredClip, CenteredClipStats, centered_clip_with_stats
+from .centered_clip import (
+    CenteredClip,
+    CenteredClipStats,
+    RowsClipStats,
+    centered_clip_rows,
+    centered_clip_with_stats,
+    clip_radius,
+)
 from .coordinate import CoordinateMedian, TrimmedMean
 from .errors import AggregationInputError, NonFiniteUpdateError, OversizedUpdateError
-from .geometric_median import GeometricMedian
-from .krum import Krum, MultiKrum
+from .geometric_median import GeometricMedian, geometric_median_rows
+from .krum import Krum, MultiKrum, krum_rows, multi_krum_rows
 from .mean import Mean
-from .registry import AGGREGATOR_NAMES, build_aggregator
-from .rows import FileRows, RowFile, RowList, Rows, RowStore, TensorRows
-from .streamed import (
+from .registry import (
+    AGGREGATOR_NAMES,
     RowsAggregate,
-    RowsClipStats,
     aggregate_rows,
-    centered_clip_rows,
-    clip_radius,
+    build_aggregator,
     resolve_radius,
-    row_distances,
 )
+from .rows import FileRows, RowFile, RowList, Rows, RowStore, TensorRows
+from .streamed import row_distances
 
 __all__ = [
     "AGGREGATOR_NAMES",
@@ -56,6 +61,9 @@ __all__ = [
     "centered_clip_rows",
     "centered_clip_with_stats",
     "clip_radius",
+    "geometric_median_rows",
+    "krum_rows",
+    "multi_krum_rows",
     "resolve_radius",
     "row_distances",
 ]

@@ -1,4 +1,9 @@
-"""CenteredClip (Karimireddy, He, Jaggi 2021), iterated on Gram coefficients."""
+"""CenteredClip (Karimireddy, He, Jaggi 2021), iterated on Gram coefficients.
+
+``centered_clip_rows`` is the rule over a row source in two passes (what validators
+run, ``registry.aggregate_rows``); ``CenteredClip`` with its default start (the
+geometric median) calls it on the rows in memory.
+"""
 
 from __future__ import annotations
 
@@ -20,14 +25,36 @@ from ._inputs import (
 )
 from .coordinate import CoordinateMedian
 from .errors import AggregationInputError
+from .geometric_median import geometric_median_coef
 from .gram import Gram, lower_median
 from .mean import normalized_weights
+from .rows import Rows, TensorRows
 from .span import combine, dists_with_error, solve_precisely, sq_dists_to, sq_norm
+from .streamed import (
+    ROWS_CHUNK,
+    check_rows,
+    combine_rows,
+    gram_rows,
+    median_gram,
+    solve_rows_precisely,
+)
 
-__all__ = ["CenteredClip", "CenteredClipStats", "Start", "centered_clip_with_stats"]
+__all__ = [
+    "CenteredClip",
+    "CenteredClipStats",
+    "RowsClipStats",
+    "Start",
+    "centered_clip_rows",
+    "centered_clip_with_stats",
+    "clip_radius",
+]
 
-Start = Literal["median", "mean", "zero"]
-_STARTS: tuple[str, ...] = ("median", "mean", "zero")
+Start = Literal["geometric_median", "median", "mean", "zero"]
+_STARTS: tuple[str, ...] = ("geometric_median", "median", "mean", "zero")
+#: Starts ``centered_clip_rows`` streams.
+STREAMED_STARTS = ("geometric_median", "median")
+#: Smallest radius tau_rel resolves to (identical rows would otherwise give 0).
+MIN_TAU = 1e-12
 
 
 @dataclass(frozen=True)
@@ -53,7 +80,10 @@ class CenteredClip:
     * x_i: update rows, w_i: weights (1 without), tau > 0: clipping radius
       (same units as the updates), at most ``iterations`` steps, stopping early
       once ||v_{t+1} - v_t|| <= tol * tau.
-    * ``start``: "median" (coordinate-wise median of the rows: robust to
+    * ``start``: "geometric_median" (the default: argmin_v sum_i w_i ||x_i - v||,
+      Weiszfeld on the Gram's coefficients, breakdown point 1/2, no pass of its
+      own; ``centered_clip_rows``, the very function validators run),
+      "median" (coordinate-wise median of the rows: robust to
       outliers of any size, costs a median), "mean" (weighted mean: cheap, but
       far outliers drag it and each step moves v by at most tau), "zero" (the
       origin, the choice of the paper's code without momentum: cheapest, fine
@@ -69,7 +99,7 @@ class CenteredClip:
     tau: float
     iterations: int = 10
     tol: float = 1e-6
-    start: Start = "median"
+    start: Start = "geometric_median"
     name = "centered_clip"
 
     def __post_init__(self) -> None:
@@ -103,7 +133,7 @@ def centered_clip_with_stats(
     tau: float,
     iterations: int = 10,
     tol: float = 1e-6,
-    start: Start | Tensor = "median",
+    start: Start | Tensor = "geometric_median",
 ) -> tuple[Tensor, CenteredClipStats]:
     """CenteredClip returning ``(v, CenteredClipStats)``; see ``CenteredClip``.
 
@@ -116,6 +146,11 @@ def centered_clip_with_stats(
     iterations = check_count(iterations, "iterations", minimum=1)
     tol = check_nonneg_real(tol, "tol")
     x = check_updates(updates)
+    if isinstance(start, str) and start == "geometric_median":
+        v, rs = centered_clip_rows(
+            TensorRows(x), weights, tau=tau, iterations=iterations, tol=tol, start=start
+        )
+        return v, CenteredClipStats(iterations_run=rs.iterations_run, clip_factors=rs.clip_factors)
     n, d = x.shape
     w = check_weights(weights, n)
     wn = normalized_weights(w, n)
@@ -206,3 +241,122 @@ def _iterate(gram: Gram, coef: Tensor, wn: Tensor, tau: float, iterations: int, 
 def _clip_factors(dist: Tensor, tau: float) -> Tensor:
     """min(1, tau / ||x_i - v||), and 1 where the distance is 0."""
     return torch.where(dist > tau, tau / dist.clamp(min=tau), torch.ones_like(dist))
+
+
+# --- over a row source: what validators run ---------------------------------------
+
+
+@dataclass(frozen=True)
+class RowsClipStats(CenteredClipStats):
+    """``CenteredClipStats`` plus the radius used (``tau``, or ``tau_rel`` resolved)."""
+
+    tau: float
+
+
+def _gm_radius(gram: Gram, wn: Tensor, tau_rel: float) -> tuple[Tensor, float]:
+    """The geometric-median coefficients and ``tau = max(tau_rel * lower_median_i
+    ||x_i - GM||, MIN_TAU)`` over the rows of positive weight."""
+    n = gram.n_rows
+    gm = geometric_median_coef(gram, wn)
+    dist = sq_dists_to(gram.matrix, gm)[:n].sqrt()
+    return gm, max(tau_rel * lower_median(dist[wn > 0]), MIN_TAU)
+
+
+def clip_radius(
+    rows: Rows, tau_rel: float, weights: Weights = None, *, chunk: int = ROWS_CHUNK
+) -> float:
+    """``tau = max(tau_rel * lower_median_i ||x_i - GM(x)||, 1e-12)``, GM the (weighted)
+    geometric median, over the rows of positive weight: one Gram pass.
+
+    The radius ``centered_clip_rows(rows, weights, tau_rel=tau_rel)`` uses (the same
+    float), for callers that need it before or without aggregating.
+    """
+    tau_rel = check_positive_real(tau_rel, "tau_rel")
+    rows = check_rows(rows)
+    n = rows.n_rows
+    wn = normalized_weights(check_weights(weights, n), n)
+    gram = gram_rows(rows, torch.nonzero(wn > 0).flatten(), chunk=chunk)
+    return _gm_radius(gram, wn, tau_rel)[1]
+
+
+@dataclass(frozen=True)
+class _ClipRun:
+    coef: Tensor
+    noise: float
+    scale: float
+    iterations_run: int
+    tau: float
+
+
+def centered_clip_rows(
+    rows: Rows,
+    weights: Weights = None,
+    *,
+    tau: float | None = None,
+    tau_rel: float | None = None,
+    iterations: int = 10,
+    tol: float = 1e-6,
+    start: str = "geometric_median",
+    chunk: int = ROWS_CHUNK,
+) -> tuple[Tensor, RowsClipStats]:
+    """CenteredClip over a row source, in two passes (``streamed``): the Gram of the rows
+    (``streamed.gram_rows``), the start, radius and steps on its coefficients, then
+    ``v = sum_j c_j x_j`` (``streamed.combine_rows``); ``start="median"``: the coordinate
+    median and the Gram centred at it (``streamed.median_gram``, float64), then the same.
+
+        v_0 = s   (start="geometric_median": GM(x) = argmin_v sum_i w_i ||x_i - v||;
+                   start="median": the coordinate-wise median)
+        v_{t+1} = v_t + sum_i w_i (x_i - v_t) min(1, tau / ||x_i - v_t||) / sum_i w_i
+
+    Exactly one of ``tau`` (the radius) or ``tau_rel``: tau = tau_rel * lower median
+    over the rows of positive weight of ||x_i - GM(x)|| (``clip_radius``; the same
+    float for either start).  At most ``iterations`` steps, stopping once a step is
+    <= tol * tau.  Returns ``(v, RowsClipStats)``: v [D] in the rows' dtype, the clip
+    factors at v and the radius used.
+    """
+    if (tau is None) == (tau_rel is None):
+        raise AggregationInputError("give exactly one of tau and tau_rel")
+    if tau is not None:
+        tau = check_positive_real(tau, "tau")
+    if tau_rel is not None:
+        tau_rel = check_positive_real(tau_rel, "tau_rel")
+    iterations = check_count(iterations, "iterations", minimum=1)
+    tol = check_nonneg_real(tol, "tol")
+    if start not in STREAMED_STARTS:
+        raise AggregationInputError(f"start must be one of {list(STREAMED_STARTS)}, got {start!r}")
+    rows = check_rows(rows)
+    chunk = check_count(chunk, "chunk", minimum=1)
+    n = rows.n_rows
+    w = check_weights(weights, n)
+    wn = normalized_weights(w, n)
+
+    def radius_of(gram: Gram) -> tuple[Tensor, float]:
+        if tau_rel is not None:
+            return _gm_radius(gram, wn, tau_rel)
+        return geometric_median_coef(gram, wn), float(tau)  # type: ignore[arg-type]
+
+    if start == "median":
+        mg = median_gram(rows, w, chunk=chunk)
+        radius = radius_of(mg.gram)[1] if tau_rel is not None else float(tau)  # type: ignore[arg-type]
+        coef0 = torch.zeros(n + 1, dtype=torch.float64)
+        coef0[n] = 1.0  # the median point
+        med = _iterate(mg.gram, coef0, wn, radius, iterations, tol)
+        run = _ClipRun(med.coef, med.noise, med.scale, med.iterations_run, radius)
+        gram, extra = mg.gram, mg.median
+    else:
+
+        def solve(g: Gram) -> _ClipRun:
+            coef, radius = radius_of(g)
+            r = _iterate(g, coef, wn, radius, iterations, tol)
+            return _ClipRun(r.coef, r.noise, r.scale, r.iterations_run, radius)
+
+        candidates = torch.nonzero(wn > 0).flatten()
+        gram, run = solve_rows_precisely(
+            rows, solve, candidates=candidates, tolerance=_NOISE, chunk=chunk
+        )
+        extra = None
+    factors = _clip_factors(sq_dists_to(gram.matrix, run.coef)[:n].sqrt(), run.tau)
+    v = combine_rows(rows, run.coef, extra, chunk=chunk)
+    return v, RowsClipStats(iterations_run=run.iterations_run, clip_factors=factors, tau=run.tau)
+
+

@@ -49,12 +49,17 @@ from ._parallel import map_chunks
 from .errors import AggregationInputError, OversizedUpdateError
 
 __all__ = [
+    "REL_ERROR_F32",
     "REL_ERROR_F64",
     "Gram",
+    "KAPPA_F32",
+    "KAPPA_F64",
     "compute_gram",
     "lower_median",
     "medoid",
     "pairwise_sq_dists",
+    "reference_of_sample",
+    "sample_starts",
 ]
 
 #: Columns per step of the raw Gram (views of the input: no copy, unless extra
@@ -72,15 +77,15 @@ SUBBLOCK = 1024
 SAMPLE = 16384
 #: Largest kappa = (||x_i|| + ||x_r||)^2 / ||x_i - x_r||^2 (median over rows)
 #: for which the raw Gram is precise enough: relative error ~ rel_error * kappa.
-_KAPPA_F32 = 16.0
-_KAPPA_F64 = 1e6
+KAPPA_F32 = 16.0
+KAPPA_F64 = 1e6
 #: A reference farther than this factor times the medoid's typical squared
 #: distance from the medoid costs precision; the centered Gram is then redone.
 _FAR = 16.0
 #: Error of a Gram entry relative to e_i e_j: float32 products (a product alone
 #: rounds by 6e-8) summed over SUBBLOCK columns (measured ~3e-8 on random
 #: data), versus float64 throughout.
-_REL_ERROR_F32 = 1e-6
+REL_ERROR_F32 = 1e-6
 REL_ERROR_F64 = 1e-15
 #: Squared distances above this are refused (sums of a few still fit float64).
 _HUGE = 1e300
@@ -133,7 +138,7 @@ def compute_gram(
         )
     ref, kappa = _sample_reference(updates, candidates)
     is64 = updates.dtype == torch.float64
-    if not wide and kappa <= (_KAPPA_F64 if is64 else _KAPPA_F32):
+    if not wide and kappa <= (KAPPA_F64 if is64 else KAPPA_F32):
         raw = _accumulate_raw(updates, extra, include_origin)
         raise_if_nonfinite(updates, raw.diagonal()[:n])  # rows really holding NaN/Inf
         if bool(torch.isfinite(raw).all()) and float(raw.diagonal().max()) <= _HUGE:
@@ -141,7 +146,7 @@ def compute_gram(
             # the shift to a reference cancels exactly: errors scale with norms.
             g_r = raw[:, ref]
             matrix = raw - g_r[:, None] - g_r[None, :] + raw[ref, ref]
-            rel = REL_ERROR_F64 if is64 else _REL_ERROR_F32
+            rel = REL_ERROR_F64 if is64 else REL_ERROR_F32
             return Gram(matrix, ref, n, rel, raw.diagonal().clamp(min=0.0).sqrt())
         # squares overflowed: the centered path sorts that out
     return _centered_gram(updates, ref, extra, include_origin, candidates, wide=wide, movable=True)
@@ -183,7 +188,7 @@ def _centered_gram(
                     "the start vector is too large (its squared norm overflows float64)"
                 )
             raise OversizedUpdateError(huge_rows.tolist())
-        rel = REL_ERROR_F64 if exact else _REL_ERROR_F32
+        rel = REL_ERROR_F64 if exact else REL_ERROR_F32
         result = Gram(gram, ref, n, rel, diag.clamp(min=0.0).sqrt())
         if candidates.numel() < 3 or not movable:
             return result
@@ -205,19 +210,31 @@ def _sample_reference(updates: Tensor, candidates: Tensor) -> tuple[int, float]:
     (||x_i|| + ||x_ref||)^2 / ||x_i - x_ref||^2 on the sample: how much precision
     a raw (uncentered) Gram would lose.
     """
-    d = updates.shape[1]
-    # SAMPLE columns in evenly spaced runs of 64: a few cache lines per run,
-    # where single strided columns would cost one cache miss each.
     rows = candidates.to(updates.device)
-    # At most SAMPLE values in all: small tensors stay below torch's parallel
-    # grain, so these ops never wait on other threads.
-    width = max(64, SAMPLE // max(1, rows.numel()) // 64 * 64)
-    if d <= width:
+    starts = sample_starts(updates.shape[1], rows.numel())
+    if starts is None:
         sample = updates.index_select(0, rows)
     else:
-        starts = torch.linspace(0, d - 64, width // 64).long().tolist()
         sample = torch.cat([updates[:, a : a + 64] for a in starts], dim=1).index_select(0, rows)
-    sample = sample.to(device="cpu", dtype=torch.float64)
+    return reference_of_sample(sample.to(device="cpu", dtype=torch.float64), candidates)
+
+
+def sample_starts(d: int, m: int) -> list[int] | None:
+    """First columns of the evenly spaced runs of 64 columns sampled from m rows of D
+    (None: take every column).
+
+    At most SAMPLE values in all (runs of 64: a few cache lines each, where single
+    strided columns would cost one cache miss each; small tensors stay below
+    torch's parallel grain, so these ops never wait on other threads).
+    """
+    width = max(64, SAMPLE // max(1, m) // 64 * 64)
+    if d <= width:
+        return None
+    return torch.linspace(0, d - 64, width // 64).long().tolist()
+
+
+def reference_of_sample(sample: Tensor, candidates: Tensor) -> tuple[int, float]:
+    """``_sample_reference`` on a float64 CPU sample [len(candidates), S] of the candidates."""
     if not bool(torch.isfinite(sample.sum(dim=1)).all()):
         return int(candidates[0]), math.inf  # NaN/Inf rows: the Gram will name them
     if candidates.numel() < 2:

@@ -1,8 +1,10 @@
 """Krum and Multi-Krum (Blanchard, El Mhamdi, Guerraoui, Stainer, NeurIPS 2017).
 
-Distances come from the centered Gram matrix (``gram.py``): one pass over the
-data, then O(N^2 log N) work on scores, then one row copy (Krum) or one
-matrix-vector product (Multi-Krum).
+Distances come from the Gram matrix of the rows (``streamed.gram_rows``): one pass
+over the data, then O(N^2 log N) work on scores, then one row copy (Krum) or one
+matrix-vector product (Multi-Krum).  ``krum_rows`` and ``multi_krum_rows`` are the
+rules over a row source (what validators run); ``Krum`` and ``MultiKrum`` call them
+on the rows in memory, with the same bytes.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from torch import Tensor
 
 from ._inputs import Weights, active_rows, check_count, check_updates, check_weights
 from .errors import AggregationInputError
-from .gram import compute_gram, pairwise_sq_dists
-from .span import combine
+from .gram import pairwise_sq_dists
+from .rows import Rows, TensorRows
+from .streamed import ROWS_CHUNK, check_rows, combine_rows, gram_rows, read_row
 
-__all__ = ["Krum", "MultiKrum", "krum_scores"]
+__all__ = ["Krum", "MultiKrum", "krum_rows", "krum_scores", "multi_krum_rows"]
 
 
 def krum_scores(sq_dists: Tensor, f: int) -> Tensor:
@@ -32,20 +35,46 @@ def krum_scores(sq_dists: Tensor, f: int) -> Tensor:
 
 
 def _selection(
-    updates: Tensor, weights: Weights, f: int, rule: str
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Validate, then return (updates, participating rows, their Krum scores, weights)."""
-    x = check_updates(updates)
-    w = check_weights(weights, x.shape[0])
-    act = active_rows(w, x.shape[0])
+    rows: Rows, weights: Weights, f: int, rule: str, chunk: int
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Validate, then return (participating rows, their Krum scores, weights)."""
+    rows = check_rows(rows)
+    f = check_count(f, "f", minimum=0)
+    n_rows = rows.n_rows
+    w = check_weights(weights, n_rows)
+    act = active_rows(w, n_rows)
     n = act.numel()
     if n <= 2 * f + 2:
         raise AggregationInputError(
             f"{rule} needs n > 2f + 2; got f={f}, n={n} rows with positive weight"
         )
-    gram = compute_gram(x, candidates=act)
+    gram = gram_rows(rows, act, chunk=chunk)
     scores = krum_scores(pairwise_sq_dists(gram.matrix[act][:, act]), f)
-    return x, act, scores, w
+    return act, scores, w
+
+
+def krum_rows(rows: Rows, weights: Weights = None, *, f: int, chunk: int = ROWS_CHUNK) -> Tensor:
+    """``Krum(f)`` over a row source: one Gram pass, then a copy of the chosen row."""
+    act, scores, _ = _selection(rows, weights, f, "Krum", chunk)
+    return read_row(rows, int(act[int(torch.argmin(scores))]), chunk=chunk)
+
+
+def multi_krum_rows(
+    rows: Rows, weights: Weights = None, *, f: int, m: int | None = None, chunk: int = ROWS_CHUNK
+) -> Tensor:
+    """``MultiKrum(f, m)`` over a row source: one Gram pass, one matrix-vector product."""
+    if m is not None:
+        m = check_count(m, "m", minimum=1)
+    act, scores, w = _selection(rows, weights, f, "Multi-Krum", chunk)
+    n = act.numel()
+    m = n - f if m is None else m
+    if m > n:
+        raise AggregationInputError(f"Multi-Krum needs m <= n; got m={m}, n={n}")
+    order = torch.sort(scores, stable=True).indices[:m]
+    chosen = act[order]
+    coef = torch.zeros(rows.n_rows, dtype=torch.float64)
+    coef[chosen] = 1.0 if w is None else w[chosen]
+    return combine_rows(rows, coef / coef.sum(), chunk=chunk)
 
 
 @dataclass(frozen=True)
@@ -69,8 +98,7 @@ class Krum:
         check_count(self.f, "f", minimum=0)
 
     def __call__(self, updates: Tensor, weights: Weights = None) -> Tensor:
-        x, act, scores, _ = _selection(updates, weights, self.f, "Krum")
-        return x[int(act[int(torch.argmin(scores))])].clone()
+        return krum_rows(TensorRows(check_updates(updates)), weights, f=self.f)
 
 
 @dataclass(frozen=True)
@@ -95,13 +123,4 @@ class MultiKrum:
             check_count(self.m, "m", minimum=1)
 
     def __call__(self, updates: Tensor, weights: Weights = None) -> Tensor:
-        x, act, scores, w = _selection(updates, weights, self.f, "Multi-Krum")
-        n = act.numel()
-        m = n - self.f if self.m is None else self.m
-        if m > n:
-            raise AggregationInputError(f"Multi-Krum needs m <= n; got m={m}, n={n}")
-        order = torch.sort(scores, stable=True).indices[:m]
-        chosen = act[order]
-        coef = torch.zeros(x.shape[0], dtype=torch.float64)
-        coef[chosen] = 1.0 if w is None else w[chosen]
-        return combine(x, coef / coef.sum())
+        return multi_krum_rows(TensorRows(check_updates(updates)), weights, f=self.f, m=self.m)

@@ -1,6 +1,6 @@
 """Row sources: N update rows read by column ranges, from memory or from a file.
 
-A streamed rule (``streamed.centered_clip_rows``) never holds the N rows at
+A streamed rule (``centered_clip.centered_clip_rows``, ``streamed.py``) never holds the N rows at
 once: it reads columns ``lo..hi`` of every row into a small [N, hi - lo]
 buffer, does its work on them and moves on, so its extra memory is
 O(N * chunk) whatever D.  ``TensorRows`` wraps an [N, D] tensor (the

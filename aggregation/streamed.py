@@ -1,132 +1,97 @@
-"""CenteredClip over a row source in two passes: what a validator runs.
+"""Passes over a row source: what the rules that never hold the N rows are made of.
 
-``centered_clip_rows`` computes CenteredClip from the coordinate median
-(``CenteredClip(tau, start="median")``) without ever holding the N rows:
+A ``Rows`` source (``rows.py``) hands out column chunks of the N update rows; the
+distance-based rules need only their Gram matrix (``gram.py``) and one
+matrix-vector product, so they run in two passes over it, whatever N:
 
-* pass 1, per column chunk X [N, L]: the coordinate median m of the chunk
-  (column-wise, so chunk by chunk gives the whole median bit for bit) into one
-  [D] vector, and the Gram of the rows centred at the median,
-  ``H_ij = <x_i - m, x_j - m>`` (the median is point N, at the origin of H),
-  from float64 differences and float64 products: errors of H are about 1e-15
-  of ``||x_i - m|| ||x_j - m||``, so no precision escalation is ever needed.
-  With ``tau_rel`` the same sorting network also gives the lower coordinate
-  median m' (``torch.median``'s convention, what the run spec's radius is
-  relative to; m' = m for an odd number of unweighted rows), one more point of
-  H, so ``tau = tau_rel * lower_median_i ||x_i - m'||`` costs no pass of its
-  own; then the coefficient iterations of ``centered_clip._iterate`` run on H
-  from the median point;
-* pass 2: ``v = sum_j c_j x_j + c_m m``, chunk by chunk in the rows' dtype.
+* pass 1, ``gram_rows``, per column chunk X [N, L]: the Gram ``G = X X^T`` (float32
+  products summed over ``SUBBLOCK`` columns, then in float64, chunks added in
+  column order), relative to a reference row picked on a column sample
+  (``gram.compute_gram``'s raw path; rows nearly equal compared with their norms
+  get ``H = (X - x_r)(X - x_r)^T`` instead);
+* the rule iterates on the [N, N] Gram, O(N^2) per step (CenteredClip from the
+  geometric median: ``centered_clip.centered_clip_rows``; the geometric median:
+  ``geometric_median.geometric_median_rows``);
+* pass 2, ``combine_rows``: ``v = sum_j c_j x_j``, chunk by chunk in the rows' dtype.
 
-The clip factors ``min(1, tau / ||x_i - v||)`` come from H as well.  Extra
-memory: the median and the result (2 x 4 B per parameter for float32) plus
-O(N * chunk) buffers per thread, whatever N.  ``TensorRows`` and ``FileRows``
-hand the same contiguous buffers to the same code, so in-memory and streamed
-rows give the same bytes; the result differs from ``CenteredClip`` in the last
-bits only (another Gram).
+``solve_rows_precisely`` runs a rule on ``gram_rows`` and, as ``span.solve_precisely``
+does in memory, redoes the Gram centred near the result (then in float64) when the
+rule's rounding-error bound is too large: a rare extra pass.  Extra memory: the
+result plus O(N * chunk) buffers per thread.  Rows in memory are used in place when
+a chunk's rows start on 64-byte boundaries (BLAS kernels then give the bytes they
+give on the aligned chunk buffers that ``FileRows`` fills), otherwise copied into
+such a buffer, so ``TensorRows`` and ``FileRows`` give the same bytes.
 
-The other rules need the rows in memory: ``aggregate_rows`` runs them on the
-stack ``rows.read(0, D)``, so their memory grows with N.
+``median_gram`` is pass 1 of CenteredClip's ``start="median"`` (the coordinate
+median, a second [D] vector, and the Gram centred at it, in float64);
+``row_distances`` gives ||x_i - v|| for an aggregate that came without them.
+Which rule runs on which path: ``registry.aggregate_rows``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
-from ._inputs import (
-    Weights,
-    check_count,
-    check_nonneg_real,
-    check_positive_real,
-    check_weights,
-)
+from ._inputs import Weights, check_count, check_weights
 from ._parallel import map_chunks
-from .centered_clip import CenteredClipStats, _clip_factors, _iterate
-from .coordinate import CHUNK, CoordinateMedian, median_and_lower
+from .coordinate import CHUNK, CoordinateMedian
 from .errors import AggregationInputError, NonFiniteUpdateError, OversizedUpdateError
-from .gram import REL_ERROR_F64, SUBBLOCK, Gram, lower_median
-from .mean import normalized_weights
-from .registry import build_aggregator
+from .gram import (
+    KAPPA_F32,
+    KAPPA_F64,
+    REL_ERROR_F32,
+    REL_ERROR_F64,
+    Gram,
+    _products,
+    reference_of_sample,
+    sample_starts,
+)
 from .rows import Rows, TensorRows
-from .span import sq_dists_to
+from .span import Solution, sq_dists_to
 
 __all__ = [
     "ROWS_CHUNK",
     "MedianGram",
-    "RowsAggregate",
-    "RowsClipStats",
-    "aggregate_rows",
-    "centered_clip_rows",
-    "clip_radius",
+    "check_rows",
+    "combine_rows",
+    "gram_rows",
     "median_gram",
-    "resolve_radius",
+    "read_row",
     "row_distances",
-    "streams",
+    "solve_rows_precisely",
 ]
 
 #: Columns per chunk of a streamed pass: two median chunks (``coordinate.CHUNK``).
 #: Buffers per thread: N x this float32 (the rows), N (+1) x this float64 (centred).
 ROWS_CHUNK = 2 * CHUNK
-#: Smallest radius tau_rel resolves to (identical rows would otherwise give 0).
-MIN_TAU = 1e-12
+#: Squared norms above this are refused (as in ``gram``).
+_HUGE = 1e300
 
-
-@dataclass(frozen=True)
-class RowsClipStats(CenteredClipStats):
-    """``CenteredClipStats`` plus the radius used (``tau``, or ``tau_rel`` resolved)."""
-
-    tau: float
+S = TypeVar("S", bound=Solution)
 
 
 @dataclass(frozen=True)
 class MedianGram:
-    """Pass 1: the coordinate median m [D] and the Gram of the rows centred at m.
-
-    ``gram``: points [x_1..x_N, m] (m at index N, so its row and column are 0),
-    ``gram.reference`` = N.  ``lower_dists``: ||x_i - m'|| [N] float64 with m'
-    the unweighted lower coordinate median of all rows (what ``tau_rel`` is
-    relative to), or None when not asked for.
-    """
+    """Pass 1 of ``start="median"``: the coordinate median m [D] and the Gram of the rows
+    centred at m (points [x_1..x_N, m], m at index N, so its row and column are 0;
+    ``gram.reference`` = N)."""
 
     median: Tensor
     gram: Gram
-    lower_dists: Tensor | None = None
-
-
-def _centred_products(x: Tensor, m: Tensor, low: Tensor | None, buf: Tensor) -> Tensor:
-    """Float64 Gram of [x_1..x_N, low] - m for a chunk ([N, N], or [N + 1, N + 1] with low).
-
-    The differences are formed in float64 (exact for float32 inputs, up to one
-    rounding otherwise); products run on blocks of ``SUBBLOCK`` columns (one
-    batched product) summed in block order, so the bytes depend only on the
-    chunk's values.
-    """
-    n, width = x.shape
-    p = n + int(low is not None)
-    c = buf[: p * width].view(p, width)
-    c[:n].copy_(x)
-    if low is not None:
-        c[n].copy_(low)
-    c.sub_(m)
-    k = width // SUBBLOCK
-    out = torch.zeros(p, p, dtype=torch.float64, device=x.device)
-    if k:
-        blocks = c[:, : k * SUBBLOCK].unflatten(1, (k, SUBBLOCK)).transpose(0, 1)
-        out += torch.bmm(blocks, blocks.transpose(1, 2)).sum(dim=0)
-    if k * SUBBLOCK < width:
-        rest = c[:, k * SUBBLOCK :]
-        out += rest @ rest.T
-    return out
 
 
 def _device(rows: Rows) -> torch.device:
     return getattr(rows, "device", torch.device("cpu"))
 
 
-def _check_rows(rows: object) -> Rows:
+def check_rows(rows: object) -> Rows:
+    """``rows`` if it is a non-empty float32/float64 ``Rows`` source, else
+    ``AggregationInputError``."""
     if not isinstance(rows, Rows):
         raise AggregationInputError(f"rows must be a Rows source, got {type(rows).__name__}")
     if rows.n_rows < 1 or rows.numel < 1:
@@ -136,137 +101,236 @@ def _check_rows(rows: object) -> Rows:
     return rows
 
 
-def median_gram(
-    rows: Rows, weights: Weights = None, *, lower: bool = False, chunk: int = ROWS_CHUNK
-) -> MedianGram:
-    """Pass 1 over ``rows``: the (weighted) coordinate median, the Gram centred at it and,
-    with ``lower``, the distances to the lower median (see ``MedianGram``).
+def _aligned(t: Tensor) -> bool:
+    """Whether every row of the [N, L] block starts on a 64-byte boundary with L a multiple
+    of 64 bytes: the layout of a chunk buffer, on which BLAS rounds the same way."""
+    size = t.element_size()
+    return (
+        t.stride(1) == 1
+        and (t.stride(0) * size) % 64 == 0
+        and (t.shape[1] * size) % 64 == 0
+        and t.data_ptr() % 64 == 0
+    )
+
+
+def _columns(rows: Rows, a: int, b: int, buf: Tensor) -> Tensor:
+    """Columns a..b of every row: rows in memory in place when aligned (``_aligned``) or on
+    an accelerator, otherwise read into ``buf`` (at least N * (b - a) values)."""
+    if isinstance(rows, TensorRows):
+        view = rows.read(a, b)
+        if view.device.type != "cpu" or _aligned(view):
+            return view
+    n = rows.n_rows
+    return rows.read(a, b, buf[: n * (b - a)].view(n, b - a))
+
+
+def _gram_pass(rows: Rows, *, ref: int | None, wide: bool, chunk: int) -> Tensor:
+    """One pass: the [N, N] float64 Gram ``[x_i . x_j]`` (``ref`` None) or
+    ``[(x_i - x_ref) . (x_j - x_ref)]``, chunk partials added in column order.
+
+    Products in the rows' dtype (float64 with ``wide``), float32 ones summed over
+    ``SUBBLOCK`` columns before float64 (``gram._products``).
+    """
+    n, d = rows.n_rows, rows.numel
+    dev = _device(rows)
+    width = min(chunk, d)
+    work_dtype = torch.float64 if wide else rows.dtype
+    centred = ref is not None
+
+    def buffers() -> tuple[Tensor, Tensor | None, Tensor | None]:
+        if not centred:
+            return torch.empty(n * width, dtype=rows.dtype, device=dev), None, None
+        return (
+            torch.empty(n * width, dtype=rows.dtype, device=dev),
+            torch.empty(n * width, dtype=work_dtype, device=dev),
+            torch.empty(width, dtype=work_dtype, device=dev),
+        )
+
+    def work(a: int, b: int, state: tuple[Tensor, Tensor | None, Tensor | None]) -> Tensor:
+        x = _columns(rows, a, b, state[0])
+        if state[1] is None or state[2] is None:
+            return _products(x, x).cpu()
+        c = state[1][: n * (b - a)].view(n, b - a)
+        r = state[2][: b - a]
+        r.copy_(x[ref])
+        c.copy_(x)  # converted first (wide): a float32 difference may overflow
+        c.sub_(r)
+        return _products(c, c).cpu()
+
+    parts = map_chunks(work, d, chunk, device=dev, make_state=buffers)
+    total = torch.zeros(n, n, dtype=torch.float64)
+    for part in parts:  # in column order: the bytes do not depend on the thread count
+        total += part
+    return total
+
+
+def _nonfinite_rows(rows: Rows, suspects: list[int], chunk: int) -> list[int]:
+    """Exact scan (one more pass, only when a Gram diagonal is not finite): which of
+    ``suspects`` hold NaN/Inf."""
+    n, d = rows.n_rows, rows.numel
+    dev = _device(rows)
+    picked = torch.tensor(suspects, dtype=torch.long, device=dev)
+
+    def work(a: int, b: int, buf: Tensor) -> Tensor:
+        x = _columns(rows, a, b, buf)
+        return torch.isfinite(x.index_select(0, picked)).all(dim=1).cpu()
+
+    parts = map_chunks(
+        work, d, chunk, device=dev,
+        make_state=lambda: torch.empty(n * min(chunk, d), dtype=rows.dtype, device=dev),
+    )
+    finite = torch.stack(parts).all(dim=0)
+    return [r for r, ok in zip(suspects, finite.tolist(), strict=True) if not ok]
+
+
+def _raise_if_nonfinite(rows: Rows, diag: Tensor, chunk: int) -> None:
+    """``NonFiniteUpdateError`` naming the rows that really hold NaN/Inf, among those
+    whose Gram diagonal is not finite; nothing if they are finite (squares overflowed)."""
+    suspects = torch.nonzero(~torch.isfinite(diag)).flatten().tolist()
+    bad = _nonfinite_rows(rows, suspects, chunk) if suspects else []
+    if bad:
+        raise NonFiniteUpdateError(bad)
+
+
+def _sample_reference(rows: Rows, candidates: Tensor) -> tuple[int, float]:
+    """``gram._sample_reference`` over a row source: the medoid of evenly spaced runs of
+    64 columns of the candidate rows (a few small reads), and kappa."""
+    starts = sample_starts(rows.numel, candidates.numel())
+    if starts is None:
+        sample = rows.read(0, rows.numel)
+    else:
+        sample = torch.cat([rows.read(a, a + 64) for a in starts], dim=1)
+    sample = sample.index_select(0, candidates.to(sample.device))
+    return reference_of_sample(sample.to(device="cpu", dtype=torch.float64), candidates)
+
+
+def gram_rows(
+    rows: Rows,
+    candidates: Tensor | None = None,
+    *,
+    center_at: int | None = None,
+    wide: bool = False,
+    chunk: int = ROWS_CHUNK,
+) -> Gram:
+    """``gram.compute_gram`` of the rows (no extra points) over a row source: one pass.
+
+    Raw ``G = [x_i . x_j]`` turned into ``H = G - G_r 1^T - 1 G_r^T + G_rr`` while the
+    column sample's kappa allows it (errors ~ 1e-6 ||x_i|| ||x_j||), otherwise the rows
+    minus the reference ``x_r`` (``center_at`` forces that reference; ``wide`` float64
+    products).  ``candidates``: the rows the reference is picked from (default all).
+    Raises ``NonFiniteUpdateError`` naming the rows holding NaN/Inf and
+    ``OversizedUpdateError`` for float64 rows whose squares overflow.
+    """
+    rows = check_rows(rows)
+    n = rows.n_rows
+    is64 = rows.dtype == torch.float64
+    if candidates is None:
+        candidates = torch.arange(n)
+    if center_at is None:
+        ref, kappa = _sample_reference(rows, candidates)
+        if not wide and kappa <= (KAPPA_F64 if is64 else KAPPA_F32):
+            raw = _gram_pass(rows, ref=None, wide=False, chunk=chunk)
+            diag = raw.diagonal()
+            if bool(torch.isfinite(raw).all()) and float(diag.max()) <= _HUGE:
+                g_r = raw[:, ref]
+                matrix = raw - g_r[:, None] - g_r[None, :] + raw[ref, ref]
+                rel = REL_ERROR_F64 if is64 else REL_ERROR_F32
+                return Gram(matrix, ref, n, rel, diag.clamp(min=0.0).sqrt())
+            _raise_if_nonfinite(rows, diag, chunk)  # else squares overflowed: centred below
+    else:
+        ref = center_at
+    huge = torch.zeros(n, dtype=torch.bool)
+    for wide_now in [True] if (wide or is64) else [False, True]:
+        centred = _gram_pass(rows, ref=ref, wide=wide_now, chunk=chunk)
+        diag = centred.diagonal()
+        huge = ~torch.isfinite(diag) | (diag > _HUGE)
+        if not bool(huge.any()) and bool(torch.isfinite(centred).all()):
+            rel = REL_ERROR_F64 if (wide_now or is64) else REL_ERROR_F32
+            return Gram(centred, ref, n, rel, diag.clamp(min=0.0).sqrt())
+        _raise_if_nonfinite(rows, diag, chunk)
+    raise OversizedUpdateError(torch.nonzero(huge).flatten().tolist())
+
+
+def solve_rows_precisely(
+    rows: Rows,
+    run: Callable[[Gram], S],
+    *,
+    candidates: Tensor,
+    tolerance: float,
+    chunk: int = ROWS_CHUNK,
+) -> tuple[Gram, S]:
+    """``span.solve_precisely`` over a row source: ``run`` on ``gram_rows``, then, while
+    its ``noise > tolerance * scale``, on the Gram centred at the row nearest to the
+    result, with float32 then float64 products (one more pass each; rare)."""
+    gram = gram_rows(rows, candidates, chunk=chunk)
+    solution = run(gram)
+    for wide in (False, True):
+        if solution.noise <= tolerance * solution.scale or gram.rel_error <= REL_ERROR_F64:
+            break
+        near = int(torch.argmin(sq_dists_to(gram.matrix, solution.coef)[: gram.n_rows]))
+        gram = gram_rows(rows, candidates, center_at=near, wide=wide, chunk=chunk)
+        solution = run(gram)
+    return gram, solution
+
+
+def median_gram(rows: Rows, weights: Weights = None, *, chunk: int = ROWS_CHUNK) -> MedianGram:
+    """Pass 1 of ``start="median"``: the (weighted) coordinate median and the Gram centred
+    at it, differences and products in float64 (errors ~1e-15 of
+    ``||x_i - m|| ||x_j - m||``: no escalation needed).
 
     Raises ``NonFiniteUpdateError`` naming every row that holds NaN/Inf.
     """
-    rows = _check_rows(rows)
+    rows = check_rows(rows)
     chunk = check_count(chunk, "chunk", minimum=1)
     n, d = rows.n_rows, rows.numel
     w = check_weights(weights, n)
     dev = _device(rows)
     median = torch.empty(d, dtype=rows.dtype, device=dev)
     rule = CoordinateMedian()
-    # odd n without weights: the lower median is the median itself (the same bytes)
-    extra = lower and not (w is None and n % 2 == 1)
-    p = n + int(extra)
     width = min(chunk, d)
 
     def buffers() -> tuple[Tensor, Tensor]:
         return (
             torch.empty(n * width, dtype=rows.dtype, device=dev),
-            torch.empty(p * width, dtype=torch.float64, device=dev),
+            torch.empty(n * width, dtype=torch.float64, device=dev),
         )
 
     def work(a: int, b: int, state: tuple[Tensor, Tensor]) -> tuple[Tensor, tuple[int, ...]]:
         x = rows.read(a, b, state[0][: n * (b - a)].view(n, b - a))
-        low: Tensor | None = None
         try:
-            if extra and w is None:
-                median[a:b], low = median_and_lower(x)
-            else:
-                median[a:b] = rule(x, w)
-                low = median_and_lower(x)[1] if extra else None
+            median[a:b] = rule(x, w)
         except NonFiniteUpdateError as exc:
-            return torch.zeros(p, p, dtype=torch.float64), exc.rows
-        return _centred_products(x, median[a:b], low, state[1]).cpu(), ()
+            return torch.zeros(n, n, dtype=torch.float64), exc.rows
+        c = state[1][: n * (b - a)].view(n, b - a)
+        c.copy_(x)
+        c.sub_(median[a:b])
+        return c.matmul(c.T).cpu(), ()
 
     parts = map_chunks(work, d, chunk, device=dev, make_state=buffers)
     bad = sorted({r for _, rs in parts for r in rs})
     if bad:
         raise NonFiniteUpdateError(bad)
-    centred = torch.zeros(p, p, dtype=torch.float64)
+    centred = torch.zeros(n, n, dtype=torch.float64)
     for part, _ in parts:  # in column order: the bytes do not depend on the thread count
         centred += part
     diag = centred.diagonal()
     if not bool(torch.isfinite(diag).all()):  # finite float64 rows whose squares overflow
-        raise OversizedUpdateError(torch.nonzero(~torch.isfinite(diag[:n])).flatten().tolist())
+        raise OversizedUpdateError(torch.nonzero(~torch.isfinite(diag)).flatten().tolist())
     matrix = torch.zeros(n + 1, n + 1, dtype=torch.float64)
-    matrix[:n, :n] = centred[:n, :n]
+    matrix[:n, :n] = centred
     gram = Gram(matrix, n, n, REL_ERROR_F64, matrix.diagonal().clamp(min=0.0).sqrt())
-    lower_dists: Tensor | None = None
-    if extra:  # ||x_i - m'||^2 = H_ii - 2 H_im' + H_m'm'
-        sq = diag[:n] - 2.0 * centred[:n, n] + centred[n, n]
-        lower_dists = sq.clamp(min=0.0).sqrt()
-    elif lower:
-        lower_dists = gram.matrix.diagonal()[:n].clamp(min=0.0).sqrt()
-    return MedianGram(median, gram, lower_dists)
+    return MedianGram(median, gram)
 
 
-def _radius(mg: MedianGram, tau_rel: float) -> float:
-    """tau_rel * lower median over all rows of ||x_i - m'|| (m': lower coordinate median),
-    at least MIN_TAU: the convention of the run spec's ``tau_rel`` (protocol.md 7.5)."""
-    assert mg.lower_dists is not None
-    return max(tau_rel * lower_median(mg.lower_dists), MIN_TAU)
-
-
-def clip_radius(rows: Rows, tau_rel: float, *, chunk: int = ROWS_CHUNK) -> float:
-    """``tau = tau_rel * lower_median_i ||x_i - m'||`` (m': the unweighted lower coordinate
-    median, ``torch.median``'s convention): pass 1 only.
-
-    The radius ``centered_clip_rows(rows, tau_rel=tau_rel)`` uses, for callers that
-    need it before or without aggregating.
-    """
-    tau_rel = check_positive_real(tau_rel, "tau_rel")
-    return _radius(median_gram(rows, lower=True, chunk=chunk), tau_rel)
-
-
-def centered_clip_rows(
-    rows: Rows,
-    weights: Weights = None,
-    *,
-    tau: float | None = None,
-    tau_rel: float | None = None,
-    iterations: int = 10,
-    tol: float = 1e-6,
-    chunk: int = ROWS_CHUNK,
-) -> tuple[Tensor, RowsClipStats]:
-    """CenteredClip from the coordinate median over a row source, in two passes.
-
-        v_0 = m (coordinate median, weighted with weights)
-        v_{t+1} = v_t + sum_i w_i (x_i - v_t) min(1, tau / ||x_i - v_t||) / sum_i w_i
-
-    Exactly one of ``tau`` (the radius) or ``tau_rel``: tau = tau_rel * lower
-    median over all rows of ||x_i - m'||, m' the unweighted lower coordinate
-    median (``clip_radius``; the same float without weights).  At most
-    ``iterations`` steps, stopping once a step is <= tol * tau.  Returns
-    ``(v, RowsClipStats)``: v [D] in the rows' dtype, the clip factors at v
-    and the radius used.  See the module docstring for cost and memory.
-    """
-    if (tau is None) == (tau_rel is None):
-        raise AggregationInputError("give exactly one of tau and tau_rel")
-    if tau is not None:
-        tau = check_positive_real(tau, "tau")
-    if tau_rel is not None:
-        tau_rel = check_positive_real(tau_rel, "tau_rel")
-    iterations = check_count(iterations, "iterations", minimum=1)
-    tol = check_nonneg_real(tol, "tol")
-    rows = _check_rows(rows)
-    chunk = check_count(chunk, "chunk", minimum=1)
-    n = rows.n_rows
-    w = check_weights(weights, n)
-    wn = normalized_weights(w, n)
-
-    mg = median_gram(rows, w, lower=tau_rel is not None, chunk=chunk)
-    radius = _radius(mg, tau_rel) if tau_rel is not None else float(tau)  # type: ignore[arg-type]
-    coef0 = torch.zeros(n + 1, dtype=torch.float64)
-    coef0[n] = 1.0  # the median point
-    run = _iterate(mg.gram, coef0, wn, radius, iterations, tol)
-    factors = _clip_factors(sq_dists_to(mg.gram.matrix, run.coef)[:n].sqrt(), radius)
-    v = _combine_rows(rows, run.coef, mg.median, chunk)
-    return v, RowsClipStats(iterations_run=run.iterations_run, clip_factors=factors, tau=radius)
-
-
-def _combine_rows(rows: Rows, coef: Tensor, extra: Tensor, chunk: int) -> Tensor:
-    """Pass 2: ``v = sum_j coef_j x_j + coef_N extra`` chunk by chunk, in the rows' dtype."""
+def combine_rows(
+    rows: Rows, coef: Tensor, extra: Tensor | None = None, *, chunk: int = ROWS_CHUNK
+) -> Tensor:
+    """Pass 2: ``v = sum_j coef_j x_j (+ coef_N extra)`` chunk by chunk, in the rows' dtype
+    (``coef`` indexed like the Gram's points, as ``span.combine``)."""
     n, d = rows.n_rows, rows.numel
     dev = _device(rows)
     c = coef[:n].to(device=dev, dtype=rows.dtype)
-    c_extra = float(coef[n])
+    c_extra = 0.0 if extra is None else float(coef[n])
     out = torch.empty(d, dtype=rows.dtype, device=dev)
     width = min(chunk, d)
 
@@ -274,12 +338,33 @@ def _combine_rows(rows: Rows, coef: Tensor, extra: Tensor, chunk: int) -> Tensor
         return torch.empty(n * width, dtype=rows.dtype, device=dev)
 
     def work(a: int, b: int, buf: Tensor) -> None:
-        x = rows.read(a, b, buf[: n * (b - a)].view(n, b - a))
+        x = _columns(rows, a, b, buf)
         torch.mv(x.T, c, out=out[a:b])
-        if c_extra != 0.0:
+        if extra is not None and c_extra != 0.0:
             out[a:b].add_(extra[a:b], alpha=c_extra)
 
     map_chunks(work, d, chunk, device=dev, make_state=buffer)
+    return out
+
+
+def read_row(rows: Rows, i: int, *, chunk: int = ROWS_CHUNK) -> Tensor:
+    """A copy of row ``i`` [D] (the very bytes): in place for rows in memory, otherwise
+    chunk by chunk (one pass)."""
+    rows = check_rows(rows)
+    if isinstance(rows, TensorRows):
+        return rows.updates[i].clone()
+    n, d = rows.n_rows, rows.numel
+    dev = _device(rows)
+    out = torch.empty(d, dtype=rows.dtype, device=dev)
+    width = min(chunk, d)
+
+    def work(a: int, b: int, buf: Tensor) -> None:
+        out[a:b] = rows.read(a, b, buf[: n * (b - a)].view(n, b - a))[i]
+
+    map_chunks(
+        work, d, chunk, device=dev,
+        make_state=lambda: torch.empty(n * width, dtype=rows.dtype, device=dev),
+    )
     return out
 
 
@@ -289,7 +374,7 @@ def row_distances(rows: Rows, v: Tensor, *, chunk: int = ROWS_CHUNK) -> Tensor:
     For an aggregate that did not come with clip factors (e.g. assembled from
     shards): O(N * chunk) extra memory where ``(x - v).double()`` takes N x D.
     """
-    rows = _check_rows(rows)
+    rows = check_rows(rows)
     n, d = rows.n_rows, rows.numel
     if v.shape != (d,):
         raise AggregationInputError(f"v must have shape [{d}], got {tuple(v.shape)}")
@@ -314,69 +399,3 @@ def row_distances(rows: Rows, v: Tensor, *, chunk: int = ROWS_CHUNK) -> Tensor:
     return torch.stack(parts).sum(dim=0).sqrt()
 
 
-# --- the run's aggregator over a row source ---------------------------------------
-
-
-@dataclass(frozen=True)
-class RowsAggregate:
-    """An aggregate over a row source and what scoring needs from it.
-
-    ``tau``: the radius used (None for rules without one); ``clip_factors``:
-    [N] float64 min(1, tau / ||x_i - v||) from the rule's own Gram, or None
-    (then compute them from the rows if needed).
-    """
-
-    aggregate: Tensor
-    tau: float | None
-    clip_factors: Tensor | None
-
-
-def streams(name: str, params: Mapping[str, object]) -> bool:
-    """Whether ``aggregate_rows`` runs (name, params) streamed: CenteredClip from the
-    median (the default start), without bucketing."""
-    return (
-        name == "centered_clip"
-        and params.get("start", "median") == "median"
-        and _no_buckets(params.get("bucket_size"))
-        and set(params) <= {"tau", "tau_rel", "iterations", "tol", "start", "bucket_size"}
-    )
-
-
-def _no_buckets(size: object) -> bool:
-    return size is None or (type(size) is int and size == 1)
-
-
-def resolve_radius(params: Mapping[str, object], rows: Rows) -> dict[str, object]:
-    """``params`` with a scale-free ``tau_rel`` turned into this round's ``tau`` (clip_radius)."""
-    out = dict(params)
-    tau_rel = out.pop("tau_rel", None)
-    if tau_rel is not None:
-        out["tau"] = clip_radius(rows, tau_rel)  # type: ignore[arg-type]
-    return out
-
-
-def aggregate_rows(
-    name: str,
-    params: Mapping[str, object],
-    rows: Rows,
-    weights: Weights = None,
-    *,
-    seed: int = 0,
-) -> RowsAggregate:
-    """The run's aggregator ``(name, params)`` over a row source.
-
-    CenteredClip from the median (the run default) streams: ``centered_clip_rows``,
-    memory independent of N.  Every other rule, bucketing included, runs on the
-    in-memory stack ``rows.read(0, D)`` (``build_aggregator``), so its memory
-    grows with N; ``tau_rel`` is resolved with ``clip_radius`` first.
-    """
-    rows = _check_rows(rows)
-    if streams(name, params):
-        kwargs = {k: params[k] for k in ("tau", "tau_rel", "iterations", "tol") if k in params}
-        v, stats = centered_clip_rows(rows, weights, **kwargs)  # type: ignore[arg-type]
-        return RowsAggregate(v, stats.tau, stats.clip_factors)
-    stacked = rows.read(0, rows.numel)
-    resolved = resolve_radius(params, TensorRows(stacked))
-    agg = build_aggregator(name, resolved, seed=seed)
-    tau = resolved.get("tau")
-    return RowsAggregate(agg(stacked, weights), None if tau is None else float(tau), None)  # type: ignore[arg-type]

@@ -15,20 +15,27 @@ The last line is machine-readable:
 
     aggregation_speed: centered_clip=<x>x krum=<x>x geometric_median=<x>x trimmed_mean=<x>x median=<x>x
 
-(ratios of medians).  centered_clip is CenteredClip with 10 iterations from the
-origin (tol=0 forces all 10), the configuration of the reference
-implementations; the median-start variant, which adds a coordinate-wise
-median, is in the table.
+(ratios of medians).  Every headline rule is its production path: exactly the
+call ``process_round`` makes (``validators.round.aggregate_locally``), that is
+``aggregation.aggregate_rows(name, params, rows)`` over ``TensorRows`` of the
+input, with the run presets' aggregator (``centered_clip`` with ``tau_rel`` and
+``iterations``: radius resolution included) and, for the other rules, the
+registry parameters given below (``f`` for Krum and the trimmed mean).
+``HEADLINE_SPECS`` holds these (name, params); ``tests/test_aggregation_speed_bench.py``
+fails if they and what ``process_round`` runs ever diverge.
 
-``validator_centered_clip`` is what a validator runs: ``centered_clip_rows``
-(CenteredClip from the median, two streamed passes over the rows by column
-chunks) with the run presets' aggregator params (``tau_rel`` resolved inside,
-so its time includes the radius), over ``TensorRows`` of the input;
-``validator_centered_clip_file`` the same over ``FileRows`` of a row file
-written once beforehand (reads from the page cache included).  For comparison,
-``centered_clip_median_tau_rel`` is the in-memory path validators ran before:
-``resolve_aggregator_params`` as it was (torch's median, then (x - c).double()),
-then ``CenteredClip(tau)``.
+Other configurations stay in the table, labelled:
+
+* ``centered_clip_file``: the headline over ``FileRows`` of a row file written
+  once beforehand (what a validator node reads; page-cache reads included);
+* ``cc_median_start``: the presets' CenteredClip from the coordinate median
+  (``start="median"``, the default before issue #19);
+* ``cc_zero_start_fixed_tau``: ``CenteredClip(tau, start="zero")``, 10 forced
+  iterations from the origin with a fixed radius (the reference implementations'
+  configuration, and this table's headline before issue #19);
+* ``cc_previous_in_memory``: the in-memory path validators ran before streaming
+  (torch's median for the radius, then ``CenteredClip`` from the median);
+* ``bucketing2_centered_clip``: the presets' CenteredClip with buckets of 2.
 """
 
 from __future__ import annotations
@@ -41,27 +48,27 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from veritrain.aggregation import (
     CenteredClip,
-    CoordinateMedian,
     GeometricMedian,
-    Krum,
-    Mean,
-    MultiKrum,
     RowFile,
+    Rows,
     TensorRows,
-    TrimmedMean,
-    build_aggregator,
-    centered_clip_rows,
+    aggregate_rows,
 )
 from veritrain.protocol.presets import run_preset
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 HEADLINE = ["centered_clip", "krum", "geometric_median", "trimmed_mean", "median"]
+
+#: The run presets' aggregator (every preset has the same: checked by the tests).
+PRESET_AGGREGATOR: dict[str, Any] = run_preset("demo")["aggregator"]
+PRESET_PARAMS: dict[str, Any] = dict(PRESET_AGGREGATOR["params"])
 
 
 def make_inputs(n: int, d: int, seed: int) -> torch.Tensor:
@@ -71,27 +78,37 @@ def make_inputs(n: int, d: int, seed: int) -> torch.Tensor:
     return common + torch.randn(n, d, generator=gen)
 
 
-#: The run presets' aggregator parameters (``tau_rel`` and ``iterations``).
-PRESET_PARAMS: dict[str, float] = dict(run_preset("demo")["aggregator"]["params"])
+def headline_specs(f: int) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Table name -> (registry name, params) of every rule timed on its production path."""
+    return {
+        "mean": ("mean", {}),
+        "centered_clip": (PRESET_AGGREGATOR["name"], dict(PRESET_PARAMS)),
+        "krum": ("krum", {"f": f}),
+        "multi_krum": ("multi_krum", {"f": f}),
+        "geometric_median": ("geometric_median", {}),
+        "trimmed_mean": ("trimmed_mean", {"f": f}),
+        "median": ("median", {}),
+    }
 
 
-def validator_rule(x: torch.Tensor) -> torch.Tensor:
-    """What a validator runs over the accepted rows (validators/round.py)."""
-    return centered_clip_rows(TensorRows(x), **PRESET_PARAMS)[0]  # type: ignore[arg-type]
+def production_rule(name: str, params: Mapping[str, Any], rows_of: Callable[[torch.Tensor], Rows]
+                    = TensorRows) -> Fn:
+    """``process_round``'s aggregation call for (name, params): ``aggregate_rows`` over the rows."""
+
+    def rule(x: torch.Tensor) -> torch.Tensor:
+        return aggregate_rows(name, params, rows_of(x)).aggregate
+
+    return rule
 
 
-def validator_file_rule(x: torch.Tensor, directory: str) -> Fn:
-    """The validator's rule over a row file holding ``x`` (written here, once)."""
+def file_rows_of(x: torch.Tensor, directory: str) -> Callable[[torch.Tensor], Rows]:
+    """Row source over a row file holding ``x`` (written here, once); other shapes (the
+    warm-up slices) stay in memory."""
     store = RowFile(Path(directory) / f"rows-{x.shape[0]}x{x.shape[1]}.f32", x.shape[1])
     for row in x:
         store.append(row)
     full = store.rows()
-
-    def rule(t: torch.Tensor) -> torch.Tensor:
-        rows = full if t.shape == x.shape else TensorRows(t)  # warm-up slices stay in memory
-        return centered_clip_rows(rows, **PRESET_PARAMS)[0]  # type: ignore[arg-type]
-
-    return rule
+    return lambda t: full if t.shape == x.shape else TensorRows(t)
 
 
 def previous_validator_rule(x: torch.Tensor) -> torch.Tensor:
@@ -100,32 +117,25 @@ def previous_validator_rule(x: torch.Tensor) -> torch.Tensor:
     center = x.median(dim=0).values
     spread = torch.linalg.vector_norm((x - center).double(), dim=1).median()
     tau = max(float(PRESET_PARAMS["tau_rel"]) * float(spread), 1e-12)
-    return CenteredClip(tau, iterations=int(PRESET_PARAMS["iterations"]))(x)
+    return CenteredClip(tau, iterations=int(PRESET_PARAMS["iterations"]), start="median")(x)
 
 
 def make_rules(
     d: int, f: int, x: torch.Tensor | None = None, directory: str | None = None
 ) -> dict[str, Fn]:
     tau = math.sqrt(d)  # about half the typical distance between rows: clipping is active
-    streamed: dict[str, Fn] = {"validator_centered_clip": validator_rule}
+    rules = {k: production_rule(*spec) for k, spec in headline_specs(f).items()}
+    cc_name = PRESET_AGGREGATOR["name"]
     if x is not None and directory is not None:
-        streamed["validator_centered_clip_file"] = validator_file_rule(x, directory)
-    return {
-        "mean": Mean(),
-        "centered_clip": CenteredClip(tau, iterations=10, tol=0.0, start="zero"),
-        "centered_clip_median_start": CenteredClip(tau, iterations=10, tol=0.0, start="median"),
-        "centered_clip_mean_start": CenteredClip(tau, iterations=10, tol=0.0, start="mean"),
-        "krum": Krum(f),
-        "multi_krum": MultiKrum(f),
-        "geometric_median": GeometricMedian(),
-        "trimmed_mean": TrimmedMean(f),
-        "median": CoordinateMedian(),
-        "bucketing2_centered_clip": build_aggregator(
-            "centered_clip", {"tau": tau, "start": "zero", "tol": 0.0, "bucket_size": 2}, seed=1
-        ),
-        **streamed,
-        "centered_clip_median_tau_rel": previous_validator_rule,
-    }
+        rules["centered_clip_file"] = production_rule(
+            cc_name, PRESET_PARAMS, file_rows_of(x, directory))
+    rules.update({
+        "cc_median_start": production_rule(cc_name, {**PRESET_PARAMS, "start": "median"}),
+        "cc_zero_start_fixed_tau": CenteredClip(tau, iterations=10, tol=0.0, start="zero"),
+        "cc_previous_in_memory": previous_validator_rule,
+        "bucketing2_centered_clip": production_rule(cc_name, {**PRESET_PARAMS, "bucket_size": 2}),
+    })
+    return rules
 
 
 # --- memory -----------------------------------------------------------------------
@@ -142,7 +152,7 @@ def probe_memory(args: argparse.Namespace) -> None:
     """Child process: print the peak MiB that one call of ``args.probe`` adds."""
     x = make_inputs(args.n, args.d, args.seed)
     with tempfile.TemporaryDirectory(prefix="aggregation-speed-") as tmp:
-        file_rows = args.probe == "validator_centered_clip_file"
+        file_rows = args.probe == "centered_clip_file"
         fn = make_rules(args.d, args.f, x if file_rows else None, tmp)[args.probe]
         _probe_call(fn, x, args.d)
 
@@ -191,15 +201,44 @@ def ref_centered_clip_zero(x: torch.Tensor, tau: float, iterations: int) -> torc
     return v
 
 
-def ref_centered_clip_median(x: torch.Tensor, tau_rel: float, iterations: int) -> torch.Tensor:
-    """From the coordinate median, tau = tau_rel * lower median of ||x_i - lower median||,
-    stopping like CenteredClip (step <= 1e-6 tau), in float64."""
+def _lower_median(values: torch.Tensor) -> float:
+    return float(values.sort().values[(values.numel() - 1) // 2])
+
+
+def ref_geometric_median_start(x: torch.Tensor) -> torch.Tensor:
+    """Weiszfeld in D dimensions from the mean of the half of the rows nearest the medoid
+    (medoid: lowest lower-median distance to the others), as ``geometric_median_coef``."""
     n = x.shape[0]
-    s = x.sort(dim=0).values
-    lower = s[(n - 1) // 2]
-    tau = tau_rel * float((x - lower).norm(dim=1).sort().values[(n - 1) // 2])
-    v = (s[(n - 1) // 2] + s[n // 2]) / 2
-    del s
+    dist = torch.stack([(x - x[i]).norm(dim=1) for i in range(n)])
+    masked = dist + torch.diag(torch.full((n,), math.inf, dtype=x.dtype))
+    best = int(torch.argmin(masked.sort(dim=1).values[:, (n - 2) // 2])) if n > 1 else 0
+    v = x[dist[best].sort(stable=True).indices[: n - (n - 1) // 2]].mean(0)
+    d = (x - v).norm(dim=1)
+    eps = max(1e-9 * _lower_median(d), 1e-300)
+    for _ in range(100):
+        beta = 1.0 / d.clamp(min=eps)
+        new = (beta / beta.sum()) @ x
+        step, scale = float((new - v).norm()), _lower_median(d)
+        v = new
+        d = (x - v).norm(dim=1)
+        if step <= 1e-6 * scale:
+            break
+    return v
+
+
+def ref_centered_clip(x: torch.Tensor, tau_rel: float, iterations: int,
+                      start: str = "geometric_median") -> torch.Tensor:
+    """From the geometric median (or the coordinate median), tau = tau_rel * lower median
+    of ||x_i - GM||, stopping like CenteredClip (step <= 1e-6 tau), in float64."""
+    n = x.shape[0]
+    gm = ref_geometric_median_start(x)
+    tau = tau_rel * _lower_median((x - gm).norm(dim=1))
+    if start == "median":
+        s = x.sort(dim=0).values
+        v = (s[(n - 1) // 2] + s[n // 2]) / 2
+        del s
+    else:
+        v = gm
     for _ in range(int(iterations)):
         diff = x - v
         norm = diff.norm(dim=1)
@@ -251,10 +290,10 @@ def check_errors(x: torch.Tensor, rules: dict[str, Fn], f: int) -> dict[str, flo
     gm = GeometricMedian()
     refs: dict[str, Callable[[], torch.Tensor]] = {
         "mean": lambda: x64.mean(0),
-        "centered_clip": lambda: ref_centered_clip_zero(x64, math.sqrt(d), 10),
-        "validator_centered_clip": lambda: ref_centered_clip_median(x64, **PRESET_PARAMS),
-        "validator_centered_clip_file": lambda: ref_centered_clip_median(x64, **PRESET_PARAMS),
-        "centered_clip_median_tau_rel": lambda: ref_centered_clip_median(x64, **PRESET_PARAMS),
+        "cc_zero_start_fixed_tau": lambda: ref_centered_clip_zero(x64, math.sqrt(d), 10),
+        "centered_clip": lambda: ref_centered_clip(x64, **PRESET_PARAMS),
+        "centered_clip_file": lambda: ref_centered_clip(x64, **PRESET_PARAMS),
+        "cc_median_start": lambda: ref_centered_clip(x64, **PRESET_PARAMS, start="median"),
         "krum": lambda: ref_krum(x64, f),
         "geometric_median": lambda: ref_geometric_median(x64, gm.iterations, gm.tol, gm.eps),
         "trimmed_mean": lambda: ref_sorted(x64, lambda s: s[f : n - f].mean(0)),
@@ -318,7 +357,7 @@ def main() -> None:
     print(f"baseline updates.mean(0): median {base_med * 1e3:.1f} ms, min {base_min * 1e3:.1f} ms")
     print(
         f"{'rule':<28}{'median ms':>10}{'x mean':>8}{'min ms':>8}{'x mean':>8}"
-        f"{'peak extra MiB':>16}{'rel err vs f64':>16}"
+        f"{'peak extra MiB':>16}{'B/param':>9}{'rel err vs f64':>16}"
     )
     ratios: dict[str, float] = {}
     for name in rules:
@@ -326,10 +365,11 @@ def main() -> None:
         ratios[name] = med / base_med
         peak = peak_extra_mib(args, name) if args.memory else None
         peak_s = "-" if peak is None else f"{peak:.0f}"
+        per_param = "-" if peak is None else f"{peak * 2**20 / args.d:.1f}"
         err_s = f"{errors[name]:.1e}" if name in errors else "-"
         print(
             f"{name:<28}{med * 1e3:>10.1f}{ratios[name]:>8.2f}{low * 1e3:>8.1f}"
-            f"{low / base_min:>8.2f}{peak_s:>16}{err_s:>16}"
+            f"{low / base_min:>8.2f}{peak_s:>16}{per_param:>9}{err_s:>16}"
         )
     print(
         f"(extra memory limit: one more copy of the input = {input_mib:.0f} MiB; "

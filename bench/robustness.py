@@ -244,7 +244,8 @@ def _init_process(threads: int) -> None:
             memo[key] = original(run, identity, r, base_flat, base_hash, error_feedback, **kw)
         p = memo[key]
         ef = type(p.error_feedback).from_bytes(p.error_feedback.to_bytes(), run.numel)
-        return dataclasses.replace(p, evidence=dict(p.evidence), error_feedback=ef)
+        # evidence is only read to answer checks, and nothing is challenged here
+        return dataclasses.replace(p, error_feedback=ef)
 
     swarm_mod.prepare_submission = prepare
     _PROCESS.update(validator=validator, bundles={})

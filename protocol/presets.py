@@ -17,8 +17,9 @@ _COMMON: dict[str, Any] = {
     "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
     # The default codec (protocol/codecs/registry.py): chosen by end-to-end quality.
     "codec": {"name": DEFAULT_CODEC, "params": dict(DEFAULT_CODEC_PARAMS)},
-    # tau_rel: the clipping radius is tau_rel times the median distance of the
-    # updates from their coordinate-wise median, so it follows the update scale.
+    # tau_rel: the clipping radius is tau = tau_rel * lower_median_i ||x_i - GM(x)||,
+    # GM the weighted geometric median of the updates (also CenteredClip's start),
+    # so it follows the update scale.
     "aggregator": {"name": "centered_clip", "params": {"tau_rel": 1.0, "iterations": 10}},
     "limits": {"max_payload_bytes": 64 << 20},
     "rewards": {"per_round": 100.0},
