@@ -21,9 +21,10 @@ from aiohttp import web
 from veritrain.protocol.encoding import decode_canonical, encode_canonical
 from veritrain.protocol.errors import EncodingError
 
-from .blobs import BlobStore
+from .admission import RejectionBudget
+from .blobs import BlobStore, StagedBlob
 from .ingest import SubmissionBatcher
-from .ratelimit import charge_signer
+from .ratelimit import charge_replay, charge_signer
 from .retention import RetentionPolicy
 from .store import LedgerStore
 from .uploads import (
@@ -34,6 +35,7 @@ from .uploads import (
     read_body,
     read_part_bytes,
     stream_to_blob,
+    stream_to_staged,
 )
 
 T = TypeVar("T")
@@ -47,6 +49,7 @@ STATUS_BY_REASON = {
     "oversized": 413,
     "bad_signature": 401,
     "unknown_worker": 403,
+    "not_admitted": 403,
     "unknown_validator": 403,
     "banned": 403,
     "sealed": 403,
@@ -85,6 +88,13 @@ class LedgerConfig:
     # Which blob files go once their round is old enough (retention.py); default: the
     # reveal files and superseded models of rounds with 2 finalized rounds after them.
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    # What strangers may cost (admission.py, specs/threat-model.md): the validators a run
+    # may name (each one's BLS proof of possession is verified once), the bytes of the
+    # runs (dataset and genesis) one organiser key may store, and the refusals of one run,
+    # reason and hour that become rows (the rest are counted in /metrics only).
+    max_validators: int = 64
+    organiser_quota_bytes: int = 8 << 30
+    rejection_rows_per_hour: int = 100
 
 
 @dataclass
@@ -100,9 +110,21 @@ class Ledger:
     batcher: SubmissionBatcher = field(init=False)
     #: Set when a round is finalized: the background pruner (retention.py) waits on it.
     finalized: asyncio.Event = field(default_factory=asyncio.Event)
+    #: BLS verifications run here, one at a time, off the writer (admission.py).
+    verifier: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="ledger-verify"))
+    #: Which refusals become rows (the rest are only counted).
+    rejection_budget: RejectionBudget = field(init=False)
 
     def __post_init__(self) -> None:
         self.batcher = SubmissionBatcher(self.store, self.writer)
+        self.rejection_budget = RejectionBudget(self.config.rejection_rows_per_hour)
+        self.store.max_validators = self.config.max_validators
+        self.store.blobs = self.blobs
+
+    async def verify(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run an expensive verification (BLS) on the verifier thread, off the writer."""
+        return await asyncio.get_running_loop().run_in_executor(self.verifier, fn, *args)
 
     async def write(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.writer, fn, *args)
@@ -120,9 +142,19 @@ SIGNER = web.RequestKey("signer", str)
 
 
 def set_signer(request: web.Request, signer: str) -> None:
-    """Note a write's verified signer and charge its rate-limit bucket (may raise 429)."""
+    """Note a write's verified signer and charge its rate-limit bucket (may raise 429).
+
+    Called only for a message that its signer must have sent: signed, for this URL's run
+    and round, and not an exact copy of a stored (public) message. A refusal names the
+    signer (a ``rejections`` row) only after this."""
     request[SIGNER] = signer
     charge_signer(request, signer)
+
+
+def replayed(request: web.Request, signer: str) -> None:
+    """An exact copy of a stored message: charged to the sender's address and that key
+    together, never to the key's own budget (may raise 429)."""
+    charge_replay(request, signer)
 
 
 def problem(status: int, reason: str, detail: str) -> web.Response:
@@ -148,6 +180,18 @@ def clock_of(request: web.Request) -> BodyClock:
 async def part_bytes(request: web.Request, reader: Any, name: str, limit: int) -> bytes:
     clock = clock_of(request)
     return await read_part_bytes(await next_part(reader, name, clock), clock, limit)
+
+
+async def part_to_staged(request: web.Request, reader: Any, name: str, limit: int,
+                         expected: str | None, kind: str, run_id: str,
+                         sealed_round: int | None = None) -> StagedBlob:
+    """Stream part ``name`` to the temporary area; published only on acceptance."""
+    clock = clock_of(request)
+    part = await next_part(reader, name, clock)
+    staged = await stream_to_staged(request.app[LEDGER].blobs, part.read_chunk, clock, limit,
+                                    expected)
+    staged.kind, staged.run_id, staged.sealed_round = kind, run_id, sealed_round
+    return staged
 
 
 async def part_to_blob(request: web.Request, reader: Any, name: str, limit: int,

@@ -27,9 +27,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from veritrain.protocol import dkg
 from veritrain.protocol.beacon import beacon_seed_of, compute_beacon_seed, sealed_list_digest
 from veritrain.protocol.certificates import CERTIFICATE
 from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
+from veritrain.protocol.errors import RejectedInput
+from veritrain.protocol.membership import (
+    SIGNER_FIELD,
+    SLASH,
+    SLASH_RECORD,
+    BondWithdrawal,
+    Membership,
+)
 from veritrain.protocol.messages import (
     BeaconShare,
     CertifiedState,
@@ -181,6 +190,10 @@ class AuditState:
     next_base: str | None = None
     registered: dict[str, int] = field(default_factory=dict)  # participant -> its row
     banned_until: dict[str, int] = field(default_factory=dict)  # worker -> last banned round
+    #: The admission state the membership rows read so far establish (protocol/membership.py)
+    membership: Membership | None = None
+    #: A threshold-beacon run's group key, from the DKG results a quorum signed (5.4a)
+    dkg_group_key: str | None = None
 
 
 def get_spec(state: AuditState) -> RunSpec:
@@ -236,6 +249,7 @@ def process_run_spec(state: AuditState, index: int, spec: RunSpec, signer: str,
         raise Bad("run spec of another run")
     state.spec = spec
     state.next_base = spec.genesis_model_hash
+    state.membership = Membership.of_run(spec)
 
 
 def process_registration(state: AuditState, index: int, participant: str) -> None:
@@ -243,6 +257,11 @@ def process_registration(state: AuditState, index: int, participant: str) -> Non
     participant is registered from this row on (certified ``unknown_worker`` verdicts are
     checked against it: :func:`check_exclusions`)."""
     get_spec(state)
+    if participant not in state.registered and state.membership is not None:
+        r = _first_unclosed(state)
+        problem = state.membership.admission_problem(participant, r)
+        if problem is not None:  # the ledger admitted a key the chain does not admit
+            raise Bad(f"registration the run's admission policy does not allow: {problem}")
     state.registered.setdefault(participant, index)
 
 
@@ -425,7 +444,7 @@ def process_shard_finding(state: AuditState, index: int, finding: ShardFindingRe
 #: A masked round's board posts: chain kind -> (board kind, the field naming the sender).
 SECAGG_POSTS = {"secagg_keys": ("keys", "worker"), "secagg_deal": ("deal", "dealer"),
                 "secagg_masked_input": ("masked", "worker"), "secagg_reveal": ("reveal", "holder"),
-                "secagg_opening": ("opening", "worker")}
+                "secagg_opening": ("opening", "worker"), "secagg_view": ("view", "worker")}
 
 
 def process_secagg_post(state: AuditState, index: int, post: Any, signer: str) -> None:
@@ -499,11 +518,49 @@ def process_beacon_fixed(state: AuditState, index: int, body: dict[str, Any]) ->
     share is that signer's logged `beacon_share`". The round's beacon seed follows."""
     rnd = get_round(state, body["round"])
     spec = get_spec(state)
+    if spec.threshold_beacon:
+        raise Bad("a quorum-of-shares beacon in a threshold-beacon run")
     if not _is_quorum_list(body["signers"], spec, exact=True):
         raise Bad("beacon signers are not a quorum of the validator set")
     if [rnd.shares.get(k) for k in body["signers"]] != list(body["shares"]):
         raise Bad("beacon shares are not the signers' logged beacon_share rows")
     rnd.beacon_seed = beacon_seed_of({"shares": body["shares"]})
+
+
+def process_dkg_group_fixed(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ``dkg_group_fixed`` (5.4a): "once, in a threshold-beacon run; `results` are the
+    run's validators' signed DkgResults and a quorum of them signed `group_key`"."""
+    spec = get_spec(state)
+    if not spec.threshold_beacon or state.dkg_group_key is not None:
+        raise Bad("a DKG group in a quorum-of-shares run, or fixed twice")
+    try:
+        agreed = dkg.group_result_of(spec.validators, spec.quorum, spec.run_id,
+                                     body["results"])
+    except RejectedInput as exc:
+        raise Bad(f"DKG group not signed by a quorum of validators: {exc}") from None
+    if (agreed.group_key, agreed.public_shares) != (body["group_key"], body["public_shares"]):
+        raise Bad("DKG group key differs from the one its validators signed")
+    state.dkg_group_key = agreed.group_key
+
+
+def process_threshold_beacon_fixed(state: AuditState, index: int, body: dict[str, Any]
+                                   ) -> None:
+    """9.3 ``threshold_beacon_fixed`` (5.4a): "once per round, after it closed; `signature`
+    verifies under the run's group key over `threshold_beacon_root(run, r, sealed)` with
+    `sealed` the round's sealed list". Who signed is not checked: the signature is unique.
+    The round's beacon seed follows from the signature alone."""
+    spec = get_spec(state)
+    rnd = get_round(state, body["round"])
+    if not spec.threshold_beacon or state.dkg_group_key is None:
+        raise Bad("a threshold beacon without the run's DKG group key")
+    if rnd.sealed is None or rnd.beacon_seed is not None or body.get("sealed") != rnd.sealed:
+        raise Bad("threshold beacon before the round closed, twice, or over another list")
+    try:
+        seed = dkg.verify_threshold_beacon(state.dkg_group_key, spec.run_id, rnd.index, body,
+                                           sealed=rnd.sealed)
+    except RejectedInput as exc:
+        raise Bad(f"threshold beacon: {exc}") from None
+    rnd.beacon_seed = seed.hex()
 
 
 def process_challenges_fixed(state: AuditState, index: int, body: dict[str, Any]) -> None:
@@ -680,7 +737,8 @@ def check_exclusions(state: AuditState, rnd: RoundState, res: RecordedResult) ->
         if reason == "banned" and state.banned_until.get(worker, -1) < rnd.index:
             raise Bad(f"certified verdict bans {worker[:12]}, whom no earlier ban covers")
         if reason == "unknown_worker" and state.registered.get(worker, rnd.closed_row) \
-                < rnd.closed_row:
+                < rnd.closed_row and (state.membership is None or state.membership
+                                      .admission_problem(worker, rnd.index) is None):
             raise Bad(f"certified verdict calls {worker[:12]} unknown, but it registered "
                       "before the round closed")
 
@@ -801,12 +859,79 @@ def audit_pruned(state: AuditState, pruned: Iterable[dict[str, Any]]) -> tuple[i
 
 #: Signed kinds (besides ``run_spec`` and ``round_result``, whose rules take more) -> rule
 #: of (state, row index, message, signer); a validator's index where the engine needs it.
+def _first_unclosed(state: AuditState) -> int:
+    """The first round not yet closed at this point of the chain."""
+    rnd = state.current
+    if rnd is None:
+        return 0
+    return rnd.index + 1 if rnd.closed is not None else rnd.index
+
+
+def process_membership_message(state: AuditState, index: int, message: Any, signer: str
+                               ) -> None:
+    """9.3 ``admission_ticket``, ``admission_revocation``, ``bond_deposit``,
+    ``bond_withdrawal``: signed by the key the run's admission policy gives the kind (an
+    issuer, the treasury, the worker itself), in a run whose policy uses it, for the
+    row's run, for a round not yet closed when it was recorded (a withdrawal at least
+    ``unbonding_rounds`` ahead, of no more than the bond then); then folded in."""
+    spec = get_spec(state)
+    assert state.membership is not None
+    policy = state.membership.policy
+    kind = message.KIND
+    if message.run_id != spec.run_id or signer != getattr(message, SIGNER_FIELD[kind]):
+        raise Bad(f"{kind} of another run or signed by another key than it names")
+    if policy.open or (kind in ("bond_deposit", "bond_withdrawal")) != (
+            policy.policy == "bond"):
+        raise Bad(f"{kind} in a run whose admission is {policy.policy}")
+    if kind in ("admission_ticket", "admission_revocation") and signer not in policy.issuers:
+        raise Bad(f"{kind} signed by a key that is not one of the run's issuers")
+    if kind == "bond_deposit" and signer != policy.treasury:
+        raise Bad("bond deposit not signed by the run's treasury")
+    if kind == "admission_ticket" and message.expires_round <= message.round:
+        raise Bad("ticket that expires before it admits")
+    now = _first_unclosed(state)
+    if message.round < now:
+        raise Bad(f"{kind} for round {message.round}, recorded after it closed")
+    if isinstance(message, BondWithdrawal) and (
+            message.round < now + policy.unbonding_rounds
+            or message.amount > state.membership.balance(message.worker, message.round)):
+        raise Bad("withdrawal within the unbonding period or larger than the bond")
+    state.membership.add(message)
+
+
+def process_slash(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ``slash``: right after its round's certificate, for a worker whose certified
+    verdict proves a fault (``PENALIZED_REASONS``), naming that verdict's submission and
+    reason, taking exactly ``floor(slash_share * bond)`` of the bond the chain gives the
+    worker in that round (0 under an allowlist); then folded in."""
+    checked = SLASH_RECORD(body, SLASH)
+    get_spec(state)
+    assert state.membership is not None
+    policy = state.membership.policy
+    rnd = get_round(state, checked["round"])
+    if policy.open or rnd is not state.current or rnd.certified is None:
+        raise Bad("slash outside the finalization of its round, or in an open run")
+    worker = checked["worker"]
+    verdict = next((v for v in rnd.certified.lists()[0] if v["worker"] == worker), None)
+    if (verdict is None or verdict["reason"] not in PENALIZED_REASONS
+            or verdict["reason"] != checked["reason"]
+            or verdict["submission_digest"] != checked["submission_digest"]):
+        raise Bad("slash without a certified proven fault of that worker and submission")
+    expected = (state.membership.slash_amount(worker, rnd.index) if policy.policy == "bond"
+                else (0, 0))
+    if (checked["amount"], checked["balance"]) != expected:
+        raise Bad(f"slash of {checked['amount']} from a bond of {checked['balance']}; the "
+                  f"chain gives {expected[0]} of {expected[1]}")
+    state.membership.add_slash(checked)
+
+
 SIGNED_RULES: dict[str, Callable[[AuditState, int, Any, str], int | None]] = {
     "beacon_share": process_beacon_share,
     "shard_result": process_shard_result,
     "shard_check_share": process_shard_check_share,
     "shard_finding": process_shard_finding,
     **dict.fromkeys(SECAGG_POSTS, process_secagg_post),
+    **dict.fromkeys(SIGNER_FIELD, process_membership_message),
 }
 #: Ledger records with a rule beyond :func:`check_ledger_record` -> rule of (state, row
 #: index, body); ``round_finalized`` gives the round it finalized. Other records (for
@@ -815,6 +940,8 @@ RECORD_RULES: dict[str, Callable[[AuditState, int, dict[str, Any]], RoundState |
     "round_opened": process_round_opened,
     "round_closed": process_round_closed,
     "beacon_fixed": process_beacon_fixed,
+    "dkg_group_fixed": process_dkg_group_fixed,
+    "threshold_beacon_fixed": process_threshold_beacon_fixed,
     "challenges_fixed": process_challenges_fixed,
     "shard_list_fixed": process_shard_list_fixed,
     "shard_check_fixed": process_shard_check_fixed,
@@ -825,4 +952,5 @@ RECORD_RULES: dict[str, Callable[[AuditState, int, dict[str, Any]], RoundState |
     "validator_fault": check_validator_fault,
     "round_finalized": process_round_finalized,
     "run_finished": check_run_finished,
+    SLASH: process_slash,
 }

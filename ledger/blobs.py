@@ -3,6 +3,12 @@
 A blob is written to a temporary file while its sha256 is computed, then
 renamed to ``<root>/<h[:2]>/<h>`` only if the hash matches what the writer
 declared; a partial or mismatched upload never becomes visible.
+
+The server stages uploads instead (:meth:`BlobWriter.stage`): the checked file stays in
+the temporary area until the signed message that references it is accepted, and is
+published (renamed into place) by the writer transaction that records it; a refused or
+interrupted request deletes its staged file. :meth:`BlobStore.sweep_tmp` and
+:meth:`BlobStore.collect_unreferenced` collect what a crash left behind.
 """
 
 from __future__ import annotations
@@ -10,6 +16,9 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from veritrain.protocol.errors import OversizedError, RejectedInput
@@ -68,6 +77,34 @@ class BlobWriter:
             self._fh.close()
         self._tmp.unlink(missing_ok=True)
 
+    def stage(self, expected: str | None = None) -> StagedBlob:
+        """Check the hash and keep the file in the temporary area (nothing visible yet):
+        :meth:`BlobStore.publish` moves it into place once its message is accepted."""
+        digest = self._hash.hexdigest()
+        if expected is not None and digest != expected:
+            self.abort()
+            raise HashMismatch(f"content hash {digest} does not match declared {expected}")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        return StagedBlob(digest, self.size, self._tmp)
+
+
+@dataclass
+class StagedBlob:
+    """A complete, hash-checked upload waiting in the temporary area for its message."""
+
+    digest: str
+    size: int
+    path: Path
+    kind: str = ""
+    run_id: str | None = None
+    sealed_round: int | None = None
+
+    def discard(self) -> None:
+        """Delete the staged file (a refused request; a no-op once published)."""
+        self.path.unlink(missing_ok=True)
+
 
 class BlobStore:
     def __init__(self, root: Path, *, owner: bool = True) -> None:
@@ -86,6 +123,50 @@ class BlobStore:
         for path in stale:
             path.unlink(missing_ok=True)
         return len(stale)
+
+    def publish(self, staged: Iterable[StagedBlob]) -> None:
+        """Move staged files into place (called by the transaction that accepts their
+        message, before it commits); a file already in place keeps its copy."""
+        for blob in staged:
+            final = self.path_for(blob.digest)
+            if final.exists():
+                blob.discard()
+                continue
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(blob.path, final)
+
+    def sweep_tmp(self, older_than: float) -> int:
+        """Delete temporary files untouched for ``older_than`` seconds (an upload that is
+        alive writes at least every idle limit; a staged file waits for one transaction)."""
+        limit = time.time() - older_than
+        gone = 0
+        for path in self.tmp_dir.glob("up-*"):
+            try:
+                if path.stat().st_mtime < limit:
+                    path.unlink()
+                    gone += 1
+            except FileNotFoundError:
+                continue
+        return gone
+
+    def digests(self) -> list[str]:
+        """Every published file's name."""
+        return [p.name for p in self.root.glob("??/*") if len(p.name) == 64]
+
+    def collect_unreferenced(self, referenced: Callable[[list[str]], set[str]]) -> int:
+        """Delete published files no blob row names (a crash between publishing and commit,
+        or files an older version stored for refused requests); ``referenced`` answers
+        which of a batch of digests have rows. Returns how many went."""
+        names = self.digests()
+        gone = 0
+        for k in range(0, len(names), 500):
+            batch = names[k:k + 500]
+            keep = referenced(batch)
+            for digest in batch:
+                if digest not in keep:
+                    self.remove(digest)
+                    gone += 1
+        return gone
 
     def path_for(self, digest: str) -> Path:
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):

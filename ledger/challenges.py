@@ -25,6 +25,7 @@ from veritrain.protocol.challenges import (
 from veritrain.protocol.encoding import decode_canonical, encode_canonical
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.messages import RunSpec, Signed, SpotReveal, Submission, open_signed
+from veritrain.protocol.secagg import PHASES
 
 from . import schema as t
 
@@ -56,8 +57,8 @@ def fix_challenges(s: Session, spec: RunSpec, rnd: t.Round, seed: bytes, now: fl
         s.add(t.ChallengeRow(run_id=rnd.run_id, round=rnd.round, worker=worker,
                              segments=encode_canonical(segments).decode(),
                              due=worker in due, max_bytes=bound))
-    # A masked round's four board phases come first: reveals follow the masked inputs.
-    board = 4 * masked["phase_seconds"] if masked is not None else 0.0
+    # A masked round's board phases come first: reveals follow the masked inputs.
+    board = len(PHASES) * masked["phase_seconds"] if masked is not None else 0.0
     rnd.reveal_deadline = now + board + spec.verification["reveal_seconds"]
     return challenges
 

@@ -95,23 +95,26 @@ def loss_chart(points: Sequence[tuple[int, float]]) -> str:
                   _x_labels(rounds, x_at))
 
 
-def verdict_chart(rows: Sequence[tuple[int, int, int]]) -> str:
-    """Accepted (green) and rejected (red) submissions per round, stacked."""
+def verdict_chart(rows: Sequence[tuple[int, ...]]) -> str:
+    """Accepted (green), rejected (red) and excluded (amber: a statistical filter left the
+    update out, still paid) submissions per round, stacked: rows of (round, accepted,
+    rejected) or (round, accepted, rejected, excluded)."""
     title = "Submissions per round"
     if not rows:
         return (f'<svg class="chart verdict-chart empty" viewBox="0 0 {W} 60" width="{W}" '
                 f'height="60" xmlns="http://www.w3.org/2000/svg"><text x="10" y="30">'
                 f"{title}: no verdicts yet</text></svg>")
-    top = max(1, max(a + b for _, a, b in rows))
+    rows = [(r[0], r[1], r[2], r[3] if len(r) > 3 else 0) for r in rows]
+    top = max(1, max(a + b + e for _, a, b, e in rows))
     ys = _ticks(0, top)
     hi = ys[-1]
     n = len(rows)
     slot = (W - PAD_L - PAD_R) / n
     bar = max(2.0, min(40.0, slot * 0.7))
-    x_at = {r: PAD_L + slot * (k + 0.5) for k, (r, _, _) in enumerate(rows)}
+    x_at = {r: PAD_L + slot * (k + 0.5) for k, (r, _, _, _) in enumerate(rows)}
     plot_h = H - PAD_T - PAD_B
     body = []
-    for r, acc, rej in rows:
+    for r, acc, rej, exc in rows:
         x = x_at[r] - bar / 2
         h_acc, h_rej = plot_h * acc / hi, plot_h * rej / hi
         base = H - PAD_B
@@ -121,10 +124,20 @@ def verdict_chart(rows: Sequence[tuple[int, int, int]]) -> str:
         body.append(f'<rect class="bar-rejected" data-round="{r}" data-count="{rej}" '
                     f'x="{x:.1f}" y="{base - h_acc - h_rej:.1f}" width="{bar:.1f}" '
                     f'height="{h_rej:.1f}"><title>round {r}: {rej} rejected</title></rect>')
-    legend_x = W - PAD_R - 170
+        if exc:
+            h_exc = plot_h * exc / hi
+            body.append(f'<rect class="bar-excluded" data-round="{r}" data-count="{exc}" '
+                        f'x="{x:.1f}" y="{base - h_acc - h_rej - h_exc:.1f}" '
+                        f'width="{bar:.1f}" height="{h_exc:.1f}"><title>round {r}: {exc} '
+                        "excluded (paid)</title></rect>")
+    legend_x = W - PAD_R - (250 if any(e for *_, e in rows) else 170)
     body.append(f'<rect class="bar-accepted" x="{legend_x}" y="8" width="10" height="10"/>'
                 f'<text class="tick" x="{legend_x + 14}" y="17">accepted</text>'
                 f'<rect class="bar-rejected" x="{legend_x + 80}" y="8" width="10" height="10"/>'
                 f'<text class="tick" x="{legend_x + 94}" y="17">rejected</text>')
+    if any(e for *_, e in rows):
+        body.append(f'<rect class="bar-excluded" x="{legend_x + 160}" y="8" width="10" '
+                    f'height="10"/><text class="tick" x="{legend_x + 174}" y="17">excluded'
+                    "</text>")
     return _frame(title, "submissions", "round", ys, 0, hi, body, "verdict-chart",
-                  _x_labels([r for r, _, _ in rows], x_at))
+                  _x_labels([r for r, *_ in rows], x_at))

@@ -56,6 +56,10 @@ def _checks(v: dict[str, Any]) -> str:
 
 
 def _why(v: dict[str, Any]) -> str:
+    if v["status"] == "excluded":  # a statistical filter's suspicion: left out, still paid
+        return (f'<span class="reason excluded">{escape(v.get("reason") or "")}</span>'
+                '<div class="detail">excluded from the aggregate, not rejected: paid by its '
+                f'clip quality. {escape(v.get("detail") or "")}</div>')
     if v["status"] != "rejected":
         return ""
     return (f'<span class="reason">{escape(v.get("reason") or "")}</span>'
@@ -107,6 +111,7 @@ def render_round(d: dict[str, Any]) -> str:
         ("eval loss", _num(d.get("eval_loss"), ".4f")),
         ("submissions", str(d["submissions"])),
         ("accepted", str(d["accepted"])), ("rejected", str(d["rejected"])),
+        ("excluded (paid)", str(d.get("excluded", 0))),
         ("rewards paid", f"{d['rewards_paid']:.2f}"),
         ("refused at the door", str(d["door_rejections"])),
     ])
@@ -128,7 +133,8 @@ def render_round(d: dict[str, Any]) -> str:
             f'<td class="num reward">{v["reward"]:.2f}</td></tr>')
     verdicts = (
         '<table class="data verdicts"><thead><tr><th>worker</th><th>verdict</th>'
-        "<th>why rejected</th><th>spot checks (evidence)</th><th>verified samples</th>"
+        "<th>why rejected or excluded</th><th>spot checks (evidence)</th>"
+        "<th>verified samples</th>"
         f'<th>score</th><th>reward</th></tr></thead><tbody>{"".join(rows)}</tbody></table>'
         if rows else '<p class="note">No verdicts yet.</p>')
     paging = pager(f"/runs/{run_id}/rounds/{r}", d["offset"], d["limit"], d["next_offset"],
@@ -179,8 +185,10 @@ def render_worker(d: dict[str, Any]) -> str:
         ("status", (f'<span class="tag banned">banned to r{d["banned_until_round"]}</span>'
                     if banned else "in good standing")),
         ("registered in round", str(d["registered_round"])),
-        ("accepted", str(summary.get("accepted", totals["verdicts"] - totals["rejected"]))),
+        ("accepted", str(summary.get("accepted", totals["verdicts"] - totals["rejected"]
+                                     - totals.get("excluded", 0)))),
         ("rejected", str(totals["rejected"])),
+        ("excluded (paid)", str(totals.get("excluded", 0))),
         ("spot-checked", str(summary.get("spot_checked", 0))),
         ("verified samples", str(summary.get("samples", 0))),
         ("score", f"{totals['score']:.1f}"), ("reward", f"{totals['reward']:.2f}"),
@@ -206,7 +214,7 @@ def render_worker(d: dict[str, Any]) -> str:
     paging = pager(f"/runs/{run_id}/workers/{key}", d["offset"], d["limit"], d["next_offset"],
                    "rounds")
     table = ('<table class="data rounds"><thead><tr><th>round</th><th>submission</th>'
-             "<th>bytes</th><th>verdict</th><th>why rejected</th>"
+             "<th>bytes</th><th>verdict</th><th>why rejected or excluded</th>"
              "<th>spot checks (evidence)</th><th>verified samples</th><th>score</th>"
              f'<th>reward</th></tr></thead><tbody>{"".join(rows)}</tbody></table>'
              if rows else '<p class="note">No submissions yet.</p>')
@@ -214,6 +222,7 @@ def render_worker(d: dict[str, Any]) -> str:
         f'<nav class="crumbs"><a href="/runs/{run}">&larr; run {run}</a></nav>'
         f'<h1>Worker <span class="run-id" title="{escape(key)}">{short_key(key)}</span></h1>'
         f'<p>Key <code class="key full-key">{escape(key)}</code> in run {run}.</p>{figures}'
+        f"{bond_section(d)}"
         f"<section><h2>Round by round</h2>{table}{paging}</section>"
         "<section><h2>Penalties</h2>"
         f"{_penalties(run_id, d['penalties'], by_worker=False)}</section>"
@@ -223,3 +232,22 @@ def render_worker(d: dict[str, Any]) -> str:
         f"<li><code>veritrain audit worker {escape(key[:12])}</code></li></ul></section>")
     return page(f"veritrain run {run_id}, worker {key[:12]}", body,
                 refresh=d.get("run_status") == "active")
+
+
+def bond_section(d: dict[str, Any]) -> str:
+    """One worker's bond, slashes and admission (runs with an admission policy only;
+    folded from the chain's membership rows, ledger/membership.py)."""
+    b, admission = d.get("bond"), d.get("admission")
+    if not b or not admission:
+        return ""
+    slashes = "".join(f'<li class="slash" data-round="{x["round"]}">round '
+                      f'{round_link(d["run_id"], x["round"])}: slashed {x["amount"]} units</li>'
+                      for x in b["slashes"])
+    admitted = ("admitted" if b["admitted"] else
+                f'<span class="tag banned">not admitted</span> {escape(b.get("why_not") or "")}')
+    figures = [("bond", str(b["bond"])), ("deposited", str(b["deposited"])),
+               ("slashed", str(b["slashed"])), ("withdrawn", str(b["withdrawn"])),
+               ("pending withdrawal", str(b.get("withdrawal_pending", 0))), ("now", admitted)]
+    return (f'<section class="bond"><h2>Admission ({escape(str(admission.get("policy")))})'
+            f"</h2>{cards(figures)}"
+            f'{"<ul class=slashes>" + slashes + "</ul>" if slashes else ""}</section>')

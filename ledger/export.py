@@ -46,6 +46,25 @@ def head_checkpoint(s: Session, run_id: str) -> t.Checkpoint | None:
                      .order_by(t.Checkpoint.seq.desc()).limit(1)).scalar_one_or_none()
 
 
+def sealed_from(s: Session, run_id: str) -> int | None:
+    """The ``seq`` of the first submission row of the run's open round, or None: /events
+    serves no row from there on until the round closes, so nobody reads an open round's
+    envelopes (trail, losses, payload hash) there before its close (the signed export,
+    the auditor's full copy, is the documented exception: ledger-api.md)."""
+    opened = s.execute(select(t.Event.seq).where(
+        t.Event.run_id == run_id, t.Event.kind == "round_opened")
+        .order_by(t.Event.seq.desc()).limit(1)).scalar_one_or_none()
+    if opened is None:
+        return None
+    rnd = s.execute(select(t.Round.status).where(t.Round.run_id == run_id)
+                    .order_by(t.Round.round.desc()).limit(1)).scalar_one_or_none()
+    if rnd != "open":
+        return None
+    return s.execute(select(t.Event.seq).where(
+        t.Event.run_id == run_id, t.Event.kind == "submission", t.Event.seq > opened)
+        .order_by(t.Event.seq).limit(1)).scalar_one_or_none()
+
+
 def events_with_checkpoints(s: Session, run_id: str, after: int, limit: int,
                             upto: int | None = None) -> list[dict[str, Any]]:
     """Event rows with ``seq > after`` (at most ``limit``), each with its checkpoint or null."""

@@ -54,7 +54,8 @@ def round_link(run_id: str, r: int, text: str | None = None) -> str:
 
 
 def status_tag(status: str) -> str:
-    kind = {"accepted": "ok", "finalized": "ok", "rejected": "bad"}.get(status, "")
+    kind = {"accepted": "ok", "finalized": "ok", "rejected": "bad",
+            "excluded": "warn"}.get(status, "")
     return f'<span class="tag {kind}">{escape(status)}</span>'
 
 

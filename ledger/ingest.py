@@ -37,6 +37,7 @@ from veritrain.protocol.rules import SubmissionContext, check_submission
 from veritrain.protocol.schedule import Action, RoundStatus, RoundView, next_action
 
 from . import schema as t
+from .blobs import StagedBlob
 from .chain import GENESIS_HASH, compute_event_hash
 from .checkpoints import chain_head, note_append
 from .store import Conflict, LedgerStore
@@ -56,6 +57,8 @@ class Incoming:
     #: False in a masked run: the worker keeps its payload and reveals it only when
     #: spot-checked, so no blob row is written for it.
     stored: bool = True
+    #: The server's upload of the payload, published only if this submission is accepted.
+    staged: StagedBlob | None = None
 
     def encoded(self) -> bytes:
         return self.raw if self.raw is not None else self.signed.encode()
@@ -191,6 +194,8 @@ def accept_batch(store: LedgerStore, items: Sequence[Incoming]) -> list[Outcome]
             except RejectedInput as exc:
                 outcomes.append(exc)
         buf.flush(s)
+        store._publish(tuple(i.staged for i, o in zip(items, outcomes, strict=True)
+                             if i.staged is not None and not isinstance(o, RejectedInput)))
     return outcomes
 
 

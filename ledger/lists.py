@@ -19,11 +19,12 @@ from . import schema as t
 from .store import NotFound
 
 MAX_PAGE = 1000
-VERDICT_STATUSES = ("accepted", "rejected")
+VERDICT_STATUSES = ("accepted", "rejected", "excluded")
 VERDICT_COLUMNS = ("round", "worker", "status", "reason", "detail", "spot_checked", "distance",
                    "samples", "quality", "score", "reward")
 TOTAL_COLUMNS = ("worker", "registered_round", "banned_until_round", "rounds", "accepted",
-                 "rejected", "spot_checked", "samples", "score", "reward", "penalties")
+                 "rejected", "excluded", "spot_checked", "samples", "score", "reward",
+                 "penalties")
 
 
 @dataclass(frozen=True)
@@ -89,12 +90,15 @@ def _totals(s: Session, run_id: str, parts: list[t.Participant]) -> list[dict[st
         return []
     keys = [p.pubkey for p in parts]
     accepted = t.Verdict.status == "accepted"
+    # Excluded (a statistical filter's suspicion): verified work, paid, counted apart.
+    excluded = t.Verdict.status == "excluded"
     agg = {row[0]: row for row in s.execute(
         select(t.Verdict.worker, func.count(), func.sum(case((accepted, 1), else_=0)),
                func.sum(case((t.Verdict.spot_checked, 1), else_=0)),
-               func.sum(case((accepted, t.Verdict.samples), else_=0)),
+               func.sum(case((accepted | excluded, t.Verdict.samples), else_=0)),
                func.coalesce(func.sum(t.Verdict.score), 0.0),
-               func.coalesce(func.sum(t.Verdict.reward), 0.0))
+               func.coalesce(func.sum(t.Verdict.reward), 0.0),
+               func.sum(case((excluded, 1), else_=0)))
         .where(t.Verdict.run_id == run_id, t.Verdict.worker.in_(keys))
         .group_by(t.Verdict.worker)).all()}
     bans = dict(s.execute(
@@ -104,11 +108,13 @@ def _totals(s: Session, run_id: str, parts: list[t.Participant]) -> list[dict[st
     out = []
     for p in parts:
         row = agg.get(p.pubkey)
-        n, acc, spot, samples, score, reward = (row[1:] if row is not None
-                                                else (0, 0, 0, 0, 0.0, 0.0))
+        n, acc, spot, samples, score, reward, excl = (row[1:] if row is not None
+                                                      else (0, 0, 0, 0, 0.0, 0.0, 0))
         out.append({"worker": p.pubkey, "registered_round": p.registered_round,
                     "banned_until_round": p.banned_until_round, "rounds": int(n),
-                    "accepted": int(acc or 0), "rejected": int(n) - int(acc or 0),
+                    "accepted": int(acc or 0),
+                    "rejected": int(n) - int(acc or 0) - int(excl or 0),
+                    "excluded": int(excl or 0),
                     "spot_checked": int(spot or 0), "samples": int(samples or 0),
                     "score": float(score), "reward": float(reward),
                     "penalties": int(bans.get(p.pubkey, 0))})
@@ -153,7 +159,10 @@ def submissions_page(s: Session, run_id: str, worker: str | None = None,
                      limit: int = 100) -> dict[str, Any]:
     _check_run(s, run_id)
     offset, limit = page_bounds(offset, limit)
-    q = select(t.Submission).where(t.Submission.run_id == run_id)
+    # Sealed: an open round's submissions are listed once it closes.
+    q = select(t.Submission).join(t.Round, (t.Round.run_id == t.Submission.run_id)
+                                  & (t.Round.round == t.Submission.round)).where(
+        t.Submission.run_id == run_id, t.Round.status != "open")
     if worker is not None:
         q = q.where(t.Submission.worker == worker)
     if round_index is not None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 from veritrain.protocol.encoding import decode_canonical
@@ -23,6 +24,7 @@ from veritrain.protocol.messages import (
     SecaggMasked,
     SecaggOpening,
     SecaggReveal,
+    SecaggView,
     ShardCheckShare,
     ShardFindingReport,
     ShardPublication,
@@ -39,16 +41,48 @@ from .api_base import (
     LEDGER,
     MAX_MESSAGE_BYTES,
     MAX_MODEL_BYTES,
+    Ledger,
+    clock_of,
+    int_param,
     part_bytes,
-    part_to_blob,
+    part_to_staged,
     path_round,
     read_message,
+    replayed,
     set_signer,
 )
+from .blobs import StagedBlob
 from .challenges import challenges_view
 from .ingest import Incoming
+from .store import Conflict
 
 routes = web.RouteTableDef()
+T = TypeVar("T")
+
+#: Blob downloads are attacker-chosen bytes: never sniffed, never rendered as a page.
+BLOB_HEADERS = {"Content-Type": "application/octet-stream",
+                "Cache-Control": "public, max-age=31536000, immutable",
+                "X-Content-Type-Options": "nosniff",
+                "Content-Security-Policy": "default-src 'none'; sandbox",
+                "Content-Disposition": "attachment"}
+
+
+async def _on_reader(ledger: Ledger, fn: Callable[..., T], *args: Any) -> T:
+    """A read-only check on the reader pool (never the writer that orders rows)."""
+    return await asyncio.get_running_loop().run_in_executor(ledger.readers, fn, *args)
+
+
+def _discard(staged: list[StagedBlob]) -> None:
+    for blob in staged:
+        blob.discard()
+
+
+def _same_url(request: web.Request, msg: Any, what: str) -> None:
+    """The message's run and round are the URL's (checked before its signer is charged or
+    named: a copy sent to another URL is nobody's write)."""
+    if msg.run_id != request.match_info["run_id"] or (
+            "round" in request.match_info and msg.round != path_round(request)):
+        raise RejectedInput(f"{what} run or round differs from the URL", "wrong_round")
 
 
 @routes.get("/v1/health")
@@ -66,20 +100,36 @@ async def ledger_info(request: web.Request) -> web.Response:
 
 @routes.post("/v1/runs")
 async def create_run(request: web.Request) -> web.Response:
-    """Multipart: ``spec`` (signed RunSpec), ``dataset`` and ``genesis`` blobs."""
+    """Multipart: ``spec`` (signed RunSpec), ``dataset`` and ``genesis`` blobs.
+
+    Cheap checks first (shape, the validator cap, an existing run id: 409 before any
+    proof of possession is verified, and nobody is charged), then the proofs of possession
+    (once per key, on the verifier thread), then the files, staged and published only
+    with the run."""
     ledger = request.app[LEDGER]
     reader = await request.multipart()
     spec_raw = await part_bytes(request, reader, "spec", MAX_MESSAGE_BYTES)
     signed = open_signed(decode_canonical(spec_raw), RunSpec)
-    set_signer(request, signed.signer)
     spec = signed.message
-    digest, size = await part_to_blob(request, reader, "dataset",
-                                      ledger.config.max_dataset_bytes, spec.dataset_hash)
-    await ledger.write(ledger.store.record_blob, digest, size, "dataset", spec.run_id)
-    digest, size = await part_to_blob(request, reader, "genesis", MAX_MODEL_BYTES,
-                                      spec.genesis_model_hash)
-    await ledger.write(ledger.store.record_blob, digest, size, "model", spec.run_id)
-    await ledger.write(ledger.store.create_run, signed)
+    await ledger.read(ledger.store.precheck_run, signed)
+    set_signer(request, signed.signer)
+    left = ledger.config.organiser_quota_bytes - await ledger.read(
+        ledger.store.organiser_bytes, spec.organiser)
+    if left <= 0:
+        raise RejectedInput("this organiser key stores its quota of run data already",
+                            "oversized")
+    await clock_of(request).paused(ledger.verify(ledger.store.verify_possessions, spec))
+    staged: list[StagedBlob] = []
+    try:
+        staged.append(await part_to_staged(
+            request, reader, "dataset", min(ledger.config.max_dataset_bytes, left),
+            spec.dataset_hash, "dataset", spec.run_id))
+        staged.append(await part_to_staged(
+            request, reader, "genesis", max(1, min(MAX_MODEL_BYTES, left - staged[0].size)),
+            spec.genesis_model_hash, "model", spec.run_id))
+        await ledger.write(ledger.store.create_run, signed, tuple(staged))
+    finally:
+        _discard(staged)
     return web.json_response({"run_id": spec.run_id}, status=201)
 
 
@@ -91,11 +141,22 @@ async def get_run(request: web.Request) -> web.Response:
 
 @routes.post("/v1/runs/{run_id}/participants")
 async def register(request: web.Request) -> web.Response:
+    """A registration; a resend of a stored one is answered from the store."""
     ledger = request.app[LEDGER]
     signed = open_signed(await read_message(request), Registration)
-    set_signer(request, signed.signer)
     if signed.message.run_id != request.match_info["run_id"]:
         raise RejectedInput("registration is for another run", "wrong_run")
+    known = None
+    if signed.signer == signed.message.participant:
+        known = await ledger.read(ledger.store.registered, signed)
+    if known is not None:
+        reply, exact = known
+        if exact:
+            replayed(request, signed.signer)
+        else:
+            set_signer(request, signed.signer)
+        return web.json_response(reply)
+    set_signer(request, signed.signer)
     return web.json_response(await ledger.write(ledger.store.register, signed))
 
 
@@ -120,28 +181,32 @@ async def submit(request: web.Request) -> web.Response:
 
     201 with the ledger's signed receipt; 200 with the same receipt when this exact
     envelope is already recorded (the payload is then not read); 409 ``duplicate``
-    when the worker already submitted a different one for the round."""
+    when the worker already submitted a different one for the round. The payload is
+    staged and published only with the submission."""
     ledger = request.app[LEDGER]
     reader = await request.multipart()
     env_raw = await part_bytes(request, reader, "envelope", MAX_MESSAGE_BYTES)
     signed = open_signed(decode_canonical(env_raw), Submission)
-    set_signer(request, signed.signer)
     sub = signed.message
-    if sub.run_id != request.match_info["run_id"] or sub.round != path_round(request):
-        raise RejectedInput("envelope run or round differs from the URL", "wrong_round")
+    _same_url(request, sub, "envelope")
     # A retry of a recorded submission (its reply was lost) gets the same receipt, 200.
     if (done := await ledger.read(ledger.store.recorded_receipt, signed)) is not None:
+        replayed(request, signed.signer)
         return web.json_response(done.to_wire())
+    set_signer(request, signed.signer)
+    staged: list[StagedBlob] = []
     try:
-        await ledger.write(ledger.store.precheck_submission, signed)
+        await _on_reader(ledger, ledger.store.precheck_submission, signed)
         spec = await ledger.read(lambda s: ledger.store.get_spec(s, sub.run_id))
         if spec.masked is not None:  # the payload stays with the worker (spec E.2)
             incoming = Incoming(signed, sub.payload_hash, sub.payload_bytes, raw=env_raw,
                                 stored=False)
         else:
-            digest, size = await part_to_blob(request, reader, "payload", sub.payload_bytes,
-                                              sub.payload_hash)
-            incoming = Incoming(signed, digest, size, raw=env_raw)
+            staged.append(await part_to_staged(request, reader, "payload", sub.payload_bytes,
+                                               sub.payload_hash, "payload", sub.run_id,
+                                               sub.round))
+            incoming = Incoming(signed, staged[0].digest, staged[0].size, raw=env_raw,
+                                staged=staged[0])
         receipt = await ledger.batcher.accept(incoming)
     except RejectedInput:
         # A twin of this envelope sent concurrently may have been recorded since the check
@@ -149,6 +214,8 @@ async def submit(request: web.Request) -> web.Response:
         if (done := await ledger.read(ledger.store.recorded_receipt, signed)) is not None:
             return web.json_response(done.to_wire())
         raise
+    finally:
+        _discard(staged)
     return web.json_response(receipt.to_wire(), status=201)
 
 
@@ -163,23 +230,36 @@ async def sealed_submissions(request: web.Request) -> web.Response:
 
 @routes.post("/v1/runs/{run_id}/rounds/{round}/results")
 async def post_result(request: web.Request) -> web.Response:
-    """Multipart: ``result`` (signed RoundResult), ``model`` and ``outer_state`` blobs."""
+    """Multipart: ``result`` (signed RoundResult), ``model``, ``outer_state`` and ``update``.
+
+    A resend of the stored result is answered 409 ``duplicate`` from the store; every
+    cheap check runs before the BLS attestation is verified (on the verifier thread), and
+    that before any file is read; the files are staged and published only with the
+    result."""
     ledger = request.app[LEDGER]
     reader = await request.multipart()
     raw = await part_bytes(request, reader, "result", 16 * MAX_MESSAGE_BYTES)
     signed = open_signed(decode_canonical(raw, max_bytes=16 * MAX_MESSAGE_BYTES), RoundResult)
-    set_signer(request, signed.signer)
     res = signed.message
-    if res.run_id != request.match_info["run_id"] or res.round != path_round(request):
-        raise RejectedInput("result run or round differs from the URL", "wrong_round")
-    await ledger.read(lambda s: ledger.store.get_spec(s, res.run_id))
+    _same_url(request, res, "result")
+    if await ledger.read(ledger.store.stored_result, signed):
+        replayed(request, signed.signer)
+        raise Conflict("this validator already posted this result for this round")
+    set_signer(request, signed.signer)
+    await ledger.read(ledger.store.precheck_result, signed)
+    if not await clock_of(request).paused(ledger.verify(ledger.store.result_verifies, signed)):
+        raise RejectedInput("BLS attestation does not verify", "bad_signature")
     cert = res.certified_state
-    for name, expected, kind in (("model", cert.model_hash, "model"),
-                                 ("outer_state", cert.outer_state_hash, "outer_state"),
-                                 ("update", cert.update_hash, "update")):
-        digest, size = await part_to_blob(request, reader, name, MAX_MODEL_BYTES, expected)
-        await ledger.write(ledger.store.record_blob, digest, size, kind, res.run_id)
-    reply = await ledger.write(ledger.store.post_result, signed)
+    staged: list[StagedBlob] = []
+    try:
+        for name, expected, kind in (("model", cert.model_hash, "model"),
+                                     ("outer_state", cert.outer_state_hash, "outer_state"),
+                                     ("update", cert.update_hash, "update")):
+            staged.append(await part_to_staged(request, reader, name, MAX_MODEL_BYTES,
+                                               expected, kind, res.run_id))
+        reply = await ledger.write(ledger.store.post_result, signed, tuple(staged))
+    finally:
+        _discard(staged)
     if reply.get("certificate"):
         ledger.finalized.set()  # the pruner's turn (retention.py), off this request's path
     return web.json_response(reply, status=201)
@@ -194,19 +274,32 @@ async def get_results(request: web.Request) -> web.Response:
 
 @routes.get("/v1/runs/{run_id}/participants")
 async def get_participants(request: web.Request) -> web.Response:
+    """Workers' registrations, paged (``offset``, ``limit`` <= 1000, ``next_offset``)."""
     ledger = request.app[LEDGER]
+    offset = int_param(request, "offset", 0) or 0
+    limit = int_param(request, "limit", queries.MAX_PAGE) or queries.MAX_PAGE
     return web.json_response(await ledger.read(queries.participants,
-                                               request.match_info["run_id"]))
+                                               request.match_info["run_id"], offset, limit))
 
 
 @routes.post("/v1/runs/{run_id}/rounds/{round}/beacon")
 async def post_beacon_share(request: web.Request) -> web.Response:
+    """A validator's beacon share: a resend of the stored one is answered from the store;
+    the BLS share is verified (on the verifier thread) only after every cheap check."""
     ledger = request.app[LEDGER]
     signed = open_signed(await read_message(request), BeaconShare)
+    _same_url(request, signed.message, "share")
+    try:
+        resent, _ = await ledger.read(ledger.store.precheck_beacon_share, signed)
+    except RejectedInput:
+        set_signer(request, signed.signer)  # a fresh message: its signer sent it
+        raise
+    if resent is not None:
+        replayed(request, signed.signer)
+        return web.json_response(resent)
     set_signer(request, signed.signer)
-    msg = signed.message
-    if msg.run_id != request.match_info["run_id"] or msg.round != path_round(request):
-        raise RejectedInput("share run or round differs from the URL", "wrong_round")
+    if not await ledger.verify(ledger.store.beacon_share_verifies, signed):
+        raise RejectedInput("beacon share does not verify", "bad_signature")
     return web.json_response(await ledger.write(ledger.store.post_beacon_share, signed))
 
 
@@ -217,16 +310,60 @@ async def get_beacon(request: web.Request) -> web.Response:
         queries.beacon, request.match_info["run_id"], path_round(request)))
 
 
-def _shard_message(request: web.Request, signed: Signed[Any]) -> None:
+@routes.get("/v1/runs/{run_id}/dkg")
+async def get_dkg(request: web.Request) -> web.Response:
+    """A threshold-beacon run's DKG board: the phases, every post by kind, the group
+    (specs/protocol.md 5.4a)."""
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(ledger.store.dkg_view,
+                                               request.match_info["run_id"]))
+
+
+@routes.post("/v1/runs/{run_id}/dkg")
+async def post_dkg(request: web.Request) -> web.Response:
+    """A validator's DKG post (keys, deal, complaint, justification, result), opened
+    against the run's validator set and taken while its phase is open."""
+    ledger = request.app[LEDGER]
+    wire = await read_message(request)
+    body = wire.get("body") if isinstance(wire, dict) else None
+    if not isinstance(body, dict) or body.get("run_id") != request.match_info["run_id"]:
+        raise RejectedInput("DKG post run differs from the URL", "wrong_round")
+    return web.json_response(await ledger.write(ledger.store.post_dkg, wire), status=201)
+
+
+@routes.post("/v1/runs/{run_id}/rounds/{round}/partials")
+async def post_beacon_partial(request: web.Request) -> web.Response:
+    """A validator's partial signature of a closed round's threshold beacon: opened
+    against the run's validator set, checked against its public key share (verifier
+    thread) before the writer stores it."""
+    ledger = request.app[LEDGER]
+    signed = await ledger.read(ledger.store.open_partial, request.match_info["run_id"],
+                               path_round(request), await read_message(request))
     set_signer(request, signed.signer)
-    msg = signed.message
-    if msg.run_id != request.match_info["run_id"] or msg.round != path_round(request):
-        raise RejectedInput("message run or round differs from the URL", "wrong_round")
+    if not await ledger.verify(ledger.store.partial_verifies, signed):
+        raise RejectedInput("the partial signature does not verify against the validator's "
+                            "public key share", "bad_signature")
+    return web.json_response(await ledger.write(ledger.store.post_beacon_partial, signed))
+
+
+@routes.get("/v1/runs/{run_id}/rounds/{round}/partials")
+async def get_beacon_partials(request: web.Request) -> web.Response:
+    """A round's fixed threshold beacon (or null) and every partial stored for it."""
+    ledger = request.app[LEDGER]
+    return web.json_response(await ledger.read(
+        ledger.store.threshold_beacon_state, request.match_info["run_id"],
+        path_round(request)))
+
+
+def _shard_message(request: web.Request, signed: Signed[Any]) -> None:
+    _same_url(request, signed.message, "message")
+    set_signer(request, signed.signer)
 
 
 @routes.post("/v1/runs/{run_id}/rounds/{round}/shards")
 async def post_shard_result(request: web.Request) -> web.Response:
-    """Multipart: ``publication`` (signed ShardPublication) then ``result`` (its tensor file)."""
+    """Multipart: ``publication`` (signed ShardPublication) then ``result`` (its tensor file,
+    staged and published only with the publication)."""
     ledger = request.app[LEDGER]
     reader = await request.multipart()
     raw = await part_bytes(request, reader, "publication", MAX_MESSAGE_BYTES)
@@ -238,22 +375,19 @@ async def post_shard_result(request: web.Request) -> web.Response:
         raise RejectedInput("only a validator of a sharded run publishes shard results",
                             "unknown_validator")
     limit = max_shard_file_bytes(spec.num_params, spec.shards)
-    resent = await ledger.write(ledger.store.precheck_shard_result, signed)
+    resent = await _on_reader(ledger, ledger.store.precheck_shard_result, signed)
     if resent is not None:
         return web.json_response(resent, status=201)
-    digest, size = await part_to_blob(request, reader, "result", limit, msg.result_hash)
-    if size != msg.result_bytes:
-        raise RejectedInput(f"result file is {size} bytes, the publication says "
-                            f"{msg.result_bytes}", "malformed")
-    await ledger.write(ledger.store.record_blob, digest, size, "shard", msg.run_id)
+    staged: list[StagedBlob] = []
     try:
-        reply = await ledger.write(ledger.store.post_shard_result, signed)
-    except RejectedInput:
-        # Another publication of this shard won the race since the precheck: no file stays
-        # that no stored publication names.
-        if await ledger.write(ledger.store.forget_unclaimed_shard_file, msg.run_id, digest):
-            ledger.blobs.remove(digest)
-        raise
+        staged.append(await part_to_staged(request, reader, "result", limit, msg.result_hash,
+                                           "shard", msg.run_id))
+        if staged[0].size != msg.result_bytes:
+            raise RejectedInput(f"result file is {staged[0].size} bytes, the publication says "
+                                f"{msg.result_bytes}", "malformed")
+        reply = await ledger.write(ledger.store.post_shard_result, signed, tuple(staged))
+    finally:
+        _discard(staged)
     return web.json_response(reply, status=201)
 
 
@@ -283,12 +417,13 @@ async def get_round_shards(request: web.Request) -> web.Response:
 
 
 SECAGG_KINDS = {"keys": SecaggKeys, "deal": SecaggDeal, "reveal": SecaggReveal,
-                "opening": SecaggOpening}
+                "opening": SecaggOpening, "view": SecaggView}
 
 
 @routes.post("/v1/runs/{run_id}/rounds/{round}/secagg/masked")
 async def post_secagg_masked(request: web.Request) -> web.Response:
-    """Multipart: ``envelope`` (signed SecaggMasked) then ``words`` (4 D bytes, uint32 LE)."""
+    """Multipart: ``envelope`` (signed SecaggMasked) then ``words`` (4 D bytes, uint32 LE,
+    staged and published only with the post)."""
     ledger = request.app[LEDGER]
     reader = await request.multipart()
     raw = await part_bytes(request, reader, "envelope", MAX_MESSAGE_BYTES)
@@ -301,14 +436,19 @@ async def post_secagg_masked(request: web.Request) -> web.Response:
     limit = words_file_bytes(spec.num_params)
     if msg.words_bytes != limit:
         raise RejectedInput(f"a masked input of this run is {limit} bytes", "malformed")
-    if await ledger.write(ledger.store.precheck_secagg, "masked", signed):
+    if await _on_reader(ledger, ledger.store.precheck_secagg, "masked", signed):
         return web.json_response({"kind": "masked", "already": True}, status=201)
-    digest, size = await part_to_blob(request, reader, "words", limit, msg.words_hash)
-    if size != limit:
-        raise RejectedInput(f"words file is {size} bytes, not {limit}", "malformed")
-    await ledger.write(ledger.store.record_blob, digest, size, "masked", msg.run_id)
-    return web.json_response(await ledger.write(ledger.store.post_secagg, "masked", signed),
-                             status=201)
+    staged: list[StagedBlob] = []
+    try:
+        staged.append(await part_to_staged(request, reader, "words", limit, msg.words_hash,
+                                           "masked", msg.run_id))
+        if staged[0].size != limit:
+            raise RejectedInput(f"words file is {staged[0].size} bytes, not {limit}",
+                                "malformed")
+        reply = await ledger.write(ledger.store.post_secagg, "masked", signed, tuple(staged))
+    finally:
+        _discard(staged)
+    return web.json_response(reply, status=201)
 
 
 @routes.post("/v1/runs/{run_id}/rounds/{round}/secagg/{kind}")
@@ -349,20 +489,31 @@ async def post_reveal(request: web.Request) -> web.Response:
 
     201 with the ledger's signed RevealReceipt; 200 with the same receipt when this exact
     envelope is already recorded (the file is then not read). Everything that can refuse
-    it is checked before the file is read."""
+    it is checked before the file is read; the file is staged and published only with
+    the reveal."""
     ledger = request.app[LEDGER]
     reader = await request.multipart()
     raw = await part_bytes(request, reader, "envelope", MAX_MESSAGE_BYTES)
     signed = open_signed(decode_canonical(raw), SpotReveal)
-    set_signer(request, signed.signer)
     msg = signed.message
-    if msg.run_id != request.match_info["run_id"] or msg.round != path_round(request):
-        raise RejectedInput("reveal run or round differs from the URL", "wrong_round")
-    if (done := await ledger.write(ledger.store.precheck_spot_reveal, signed)) is not None:
+    _same_url(request, msg, "reveal")
+    try:
+        done = await _on_reader(ledger, ledger.store.precheck_spot_reveal, signed)
+    except RejectedInput:
+        set_signer(request, signed.signer)  # a fresh message: its signer sent it
+        raise
+    if done is not None:
+        replayed(request, signed.signer)
         return web.json_response(done.to_wire())
-    digest, size = await part_to_blob(request, reader, "reveal", msg.reveal_bytes,
-                                      msg.reveal_hash)
-    receipt = await ledger.write(ledger.store.accept_spot_reveal, signed, digest, size)
+    set_signer(request, signed.signer)
+    staged: list[StagedBlob] = []
+    try:
+        staged.append(await part_to_staged(request, reader, "reveal", msg.reveal_bytes,
+                                           msg.reveal_hash, "reveal", msg.run_id))
+        receipt = await ledger.write(ledger.store.accept_spot_reveal, signed, staged[0].digest,
+                                     staged[0].size, tuple(staged))
+    finally:
+        _discard(staged)
     return web.json_response(receipt.to_wire(), status=201)
 
 
@@ -383,7 +534,6 @@ async def get_blob(request: web.Request) -> web.StreamResponse:
         if pruned is not None:
             raise retention.gone(pruned)
         raise RejectedInput(f"blob {digest} is recorded but its file is missing", "not_found")
-    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream",
-                                           "Cache-Control": "public, max-age=31536000, immutable"})
+    return web.FileResponse(path, headers=BLOB_HEADERS)
 
 

@@ -48,7 +48,8 @@ SCHEMAS: dict[str, Any] = {
                     "spot_checked": BOOL, "distance": nullable(NUM), "samples": INT,
                     "quality": NUM, "score": NUM, "reward": NUM}),
     "WorkerTotals": obj({"worker": STR, "registered_round": INT, "banned_until_round": INT,
-                         "rounds": INT, "accepted": INT, "rejected": INT, "spot_checked": INT,
+                         "rounds": INT, "accepted": INT, "rejected": INT, "excluded": INT,
+                         "spot_checked": INT,
                          "samples": INT, "score": NUM, "reward": NUM, "penalties": INT}),
     "SubmissionRow": obj({"round": INT, "worker": STR, "digest": HEX64, "payload_hash": HEX64,
                           "payload_bytes": INT, "samples": INT, "received_at": NUM}),
@@ -95,7 +96,8 @@ PAGING = [q("offset", {"type": "integer", "minimum": 0, "maximum": 10**12}, "row
             "rows per page (at most 1000)")]
 F_WORKER = q("worker", {"type": "string", "pattern": "^[0-9a-f]{1,64}$"}, "worker key (hex)")
 F_ROUND = q("round", {"type": "integer", "minimum": 0, "maximum": 10**12}, "round number")
-F_STATUS = q("status", {"type": "string", "enum": ["accepted", "rejected"]}, "verdict status")
+F_STATUS = q("status", {"type": "string", "enum": ["accepted", "rejected", "excluded"]},
+             "verdict status")
 
 
 def problems(*codes: int) -> dict[str, Any]:
@@ -154,11 +156,23 @@ def _paths() -> dict[str, Any]:
                         {**ok(obj({"spec": OBJ, "status": STR, "current_round": nullable(INT)})),
                          **problems(404)})},
         run + "/participants": {
-            "get": op("workers' signed registrations and ban state", [RUN],
-                      ok(obj({"run_id": STR, "participants": arr(OBJ)}))),
+            "get": op("workers' signed registrations and ban state, paged", [RUN, *PAGING],
+                      ok(obj({"run_id": STR, "participants": arr(OBJ), "offset": INT,
+                              "limit": INT, "next_offset": nullable(INT)}))),
             "post": op("register (idempotent)", [RUN], {**ok(obj({
                 "participant": STR, "role": STR, "registered_round": INT, "new": BOOL})),
                 **problems(401, 404, 413)}, json_body("signed Registration"), tag="write")},
+        run + "/membership": {
+            "get": op("the admission policy and every membership row (tickets, revocations, "
+                      "bond deposits and withdrawals, slashes)", [RUN],
+                      {**ok(obj({"run_id": STR, "admission": OBJ,
+                                 "first_unclosed_round": INT, "rows": arr(OBJ)})),
+                       **problems(404)}),
+            "post": op("post a signed admission ticket, revocation, bond deposit or "
+                       "withdrawal (idempotent)", [RUN], {**ok(obj({
+                           "kind": STR, "digest": HEX64, "sequence": INT, "new": BOOL})),
+                           **problems(401, 403, 404, 409, 413)},
+                       json_body("signed membership message"), tag="write")},
         run + "/rounds/current": {"get": op("the latest round", [RUN],
                                             {**ok(ref("Round")), **problems(404)})},
         rnd: {"get": op("one round with its verdicts and door rejections", [RUN, ROUND],
@@ -187,6 +201,31 @@ def _paths() -> dict[str, Any]:
                                                {"shares": INT, "envelopes": arr(OBJ)})),
                                       **problems(401, 403, 404, 409, 413)},
                        json_body("signed BeaconShare"), tag="write")},
+        run + "/dkg": {
+            "get": op("a threshold-beacon run's DKG board: phases with deadlines, every post "
+                      "by kind, the group key a quorum of validators signed, or null",
+                      [RUN], {**ok(obj({"run_id": STR, "now": NUM, "phases": arr(OBJ),
+                                        "phase": nullable(STR), "failed": BOOL,
+                                        "group": nullable(OBJ), "posts": OBJ})),
+                              **problems(404)}),
+            "post": op("a validator's signed DKG post (keys, deal, complaint, justification, "
+                       "result) to the open phase (a replay changes nothing)", [RUN],
+                       {"201": ok(obj({"kind": STR, "already": BOOL}, {"group": BOOL}),
+                                  "recorded", 201)["201"],
+                        **problems(401, 403, 404, 409, 413)},
+                       json_body("signed DkgKeys, DkgDeal, DkgComplaint, DkgJustification "
+                                 "or DkgResult"), tag="write")},
+        rnd + "/partials": {
+            "get": op("a threshold-beacon round's fixed group signature, or null, and every "
+                      "partial signature stored", [RUN, ROUND],
+                      {**ok(obj({"run_id": STR, "round": INT, "beacon": nullable(OBJ),
+                                 "partials": arr(OBJ)})), **problems(404)}),
+            "post": op("a validator's partial signature (after close, naming the round's "
+                       "sealed list; checked against its public key share)", [RUN, ROUND],
+                       {**ok(obj({"run_id": STR, "round": INT, "beacon": nullable(OBJ),
+                                  "partials": arr(OBJ)})),
+                        **problems(401, 403, 404, 409, 413)},
+                       json_body("signed BeaconPartial"), tag="write")},
         rnd + "/results": {
             "get": op("every validator's signed result", [RUN, ROUND],
                       ok(obj({"results": arr(ref("Signed"))}))),

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 from veritrain.protocol.encoding import decode_canonical
+from veritrain.protocol.messages import RunSpec
 
+from . import membership
 from . import schema as t
-from .export import events_with_checkpoints
+from .export import events_with_checkpoints, sealed_from
 from .lists import totals_page
 from .store import MAX_RESULT_BYTES, NotFound, beacon_envelopes
 
@@ -71,6 +73,17 @@ def _rejection_json(x: t.Rejection) -> dict[str, Any]:
             "detail": x.detail, "at": x.at}
 
 
+def bonds(s: Session, run: t.Run, workers: list[str]
+          ) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any]]]:
+    """The run's admission policy and each worker's bond, slashes and admission
+    (ledger/membership.py ``balances``, folded from the chain); ``(None, {})`` for an
+    ``open`` run, whose report stays as it was."""
+    spec = RunSpec.from_body(decode_canonical(run.spec)["body"])  # checked when stored
+    if spec.admission is None or spec.admission.get("policy") == "open":
+        return None, {}
+    return dict(spec.admission), membership.balances(s, spec, workers)
+
+
 def worker_history(s: Session, run_id: str, worker: str, *, offset: int = 0,
                    limit: int = 100) -> dict[str, Any]:
     limit = max(1, min(limit, MAX_PAGE))
@@ -88,16 +101,21 @@ def worker_history(s: Session, run_id: str, worker: str, *, offset: int = 0,
                               func.coalesce(func.sum(t.Verdict.reward), 0.0),
                               func.count()).where(
         t.Verdict.run_id == run_id, t.Verdict.worker == worker)).one()
-    rejected = s.execute(select(func.count()).select_from(t.Verdict).where(
-        t.Verdict.run_id == run_id, t.Verdict.worker == worker,
-        t.Verdict.status == "rejected")).scalar_one()
+    by_status = dict(s.execute(select(t.Verdict.status, func.count()).where(
+        t.Verdict.run_id == run_id, t.Verdict.worker == worker)
+        .group_by(t.Verdict.status)).all())
+    rejected = by_status.get("rejected", 0)
     forfeited = s.execute(select(func.coalesce(func.sum(t.Penalty.amount), 0.0)).where(
         t.Penalty.run_id == run_id, t.Penalty.worker == worker)).scalar_one()
     penalties = s.execute(select(t.Penalty).where(
         t.Penalty.run_id == run_id, t.Penalty.worker == worker)
         .order_by(t.Penalty.round, t.Penalty.source_round).offset(offset).limit(limit)
     ).scalars().all()
+    run = s.get(t.Run, run_id)
+    admission, bond = bonds(s, run, [worker]) if run is not None else (None, {})
+    extra = {"admission": admission, "bond": bond[worker]} if admission else {}
     return {
+        **extra,
         "run_id": run_id,
         "worker": worker,
         "role": part.role,
@@ -108,7 +126,8 @@ def worker_history(s: Session, run_id: str, worker: str, *, offset: int = 0,
         "verdicts": [_verdict_json(v) for v in verdicts],
         "penalties": [penalty_json(p) for p in penalties],
         "totals": {"score": totals[0], "reward": totals[1], "verdicts": totals[2],
-                   "rejected": rejected, "forfeited": forfeited},
+                   "rejected": rejected, "excluded": by_status.get("excluded", 0),
+                   "forfeited": forfeited},
         "offset": offset,
         "limit": limit,
     }
@@ -132,43 +151,71 @@ def run_report(s: Session, run_id: str) -> dict[str, Any]:
     if run is None:
         raise NotFound(f"no run {run_id!r}")
     rounds = []
+    by_round: dict[int, dict[str, int]] = {}
+    for r, status, n in s.execute(select(t.Verdict.round, t.Verdict.status, func.count())
+                                  .where(t.Verdict.run_id == run_id)
+                                  .group_by(t.Verdict.round, t.Verdict.status)).all():
+        by_round.setdefault(r, {})[status] = n
     for rnd in s.execute(select(t.Round).where(t.Round.run_id == run_id)
                          .order_by(t.Round.round)).scalars().all():
-        counts = dict(s.execute(select(t.Verdict.status, func.count()).where(
-            t.Verdict.run_id == run_id, t.Verdict.round == rnd.round)
-            .group_by(t.Verdict.status)).all())
+        counts = by_round.get(rnd.round, {})
         cert = decode_canonical(rnd.certificate) if rnd.certificate else None
         rounds.append({"round": rnd.round, "status": rnd.status, "eval_loss": rnd.eval_loss,
                        "accepted": counts.get("accepted", 0),
-                       "rejected": counts.get("rejected", 0), "extensions": rnd.extensions,
+                       "rejected": counts.get("rejected", 0),
+                       "excluded": counts.get("excluded", 0), "extensions": rnd.extensions,
                        "certified_by": cert["signers"] if cert else None,
                        "model_hash": cert["certified"]["model_hash"] if cert else None})
     forfeited = dict(s.execute(select(t.Penalty.worker, func.sum(t.Penalty.amount)).where(
         t.Penalty.run_id == run_id).group_by(t.Penalty.worker)).all())
+    # A fixed number of queries whatever the number of workers: totals grouped by worker,
+    # the rejected verdicts in one pass.
+    totals = {w: (acc, spot, score, reward) for w, acc, spot, score, reward in s.execute(
+        select(t.Verdict.worker,
+               func.coalesce(func.sum(case((t.Verdict.status == "accepted", 1), else_=0)), 0),
+               func.coalesce(func.sum(case((t.Verdict.spot_checked, 1), else_=0)), 0),
+               func.coalesce(func.sum(t.Verdict.score), 0.0),
+               func.coalesce(func.sum(t.Verdict.reward), 0.0))
+        .where(t.Verdict.run_id == run_id).group_by(t.Verdict.worker)).all()}
+    # Rejected (not admissible work) and excluded (a statistical filter's suspicion, paid)
+    # are listed apart.
+    rejected: dict[str, list[dict[str, Any]]] = {}
+    excluded: dict[str, list[dict[str, Any]]] = {}
+    for v in s.execute(select(t.Verdict.worker, t.Verdict.round, t.Verdict.reason,
+                              t.Verdict.detail, t.Verdict.status)
+                       .where(t.Verdict.run_id == run_id,
+                              t.Verdict.status.in_(("rejected", "excluded")))
+                       .order_by(t.Verdict.round)).all():
+        (rejected if v.status == "rejected" else excluded).setdefault(v.worker, []).append(
+            {"round": v.round, "reason": v.reason, "detail": v.detail})
     workers = []
     for part in s.execute(select(t.Participant).where(
             t.Participant.run_id == run_id, t.Participant.role == "worker")
             .order_by(t.Participant.id)).scalars().all():
-        vs = s.execute(select(t.Verdict).where(
-            t.Verdict.run_id == run_id, t.Verdict.worker == part.pubkey)
-            .order_by(t.Verdict.round)).scalars().all()
+        acc, spot, score, reward = totals.get(part.pubkey, (0, 0, 0.0, 0.0))
         workers.append({
             "worker": part.pubkey,
             "registered_round": part.registered_round,
             "banned_until_round": part.banned_until_round,
-            "accepted": sum(v.status == "accepted" for v in vs),
-            "rejected": [{"round": v.round, "reason": v.reason, "detail": v.detail}
-                         for v in vs if v.status == "rejected"],
-            "spot_checked": sum(v.spot_checked for v in vs),
-            "score": sum(v.score for v in vs),
-            "reward": sum(v.reward for v in vs),
+            "accepted": int(acc),
+            "rejected": rejected.get(part.pubkey, []),
+            "excluded": excluded.get(part.pubkey, []),
+            "spot_checked": int(spot),
+            "score": score,
+            "reward": reward,
             "forfeited": forfeited.get(part.pubkey, 0.0),
         })
+    # Bonds and slashes (admission runs only): folded from the chain's membership rows.
+    admission, bond = bonds(s, run, [w["worker"] for w in workers])
+    for w in workers:
+        if admission:
+            w["bond"] = bond[w["worker"]]
     rejections = s.execute(select(t.Rejection).where(t.Rejection.run_id == run_id)
                            .order_by(t.Rejection.id).limit(MAX_PAGE)).scalars().all()
     faults = s.execute(select(t.ValidatorFault).where(t.ValidatorFault.run_id == run_id)
                        .order_by(t.ValidatorFault.round)).scalars().all()
-    return {"run_id": run_id, "status": run.status, "rounds": rounds, "workers": workers,
+    return {**({"admission": admission} if admission else {}),
+            "run_id": run_id, "status": run.status, "rounds": rounds, "workers": workers,
             "rejections": [_rejection_json(x) for x in rejections],
             "validator_faults": [{"round": f.round, "validator": f.validator,
                                   "result_digest": f.result_digest,
@@ -178,7 +225,9 @@ def run_report(s: Session, run_id: str) -> dict[str, Any]:
 def events_page(s: Session, run_id: str, after: int, limit: int) -> dict[str, Any]:
     """Chain rows after ``seq``; each carries the ledger's checkpoint signature or null."""
     limit = max(1, min(limit, MAX_PAGE))
-    return {"run_id": run_id, "events": events_with_checkpoints(s, run_id, after, limit)}
+    cut = sealed_from(s, run_id)
+    return {"run_id": run_id, "events": events_with_checkpoints(
+        s, run_id, after, limit, None if cut is None else cut - 1)}
 
 
 def rejections_page(s: Session, run_id: str, *, round_index: int | None, signer: str | None,
@@ -219,15 +268,21 @@ def round_results(s: Session, run_id: str, r: int) -> dict[str, Any]:
     return {"results": [decode_canonical(b, max_bytes=MAX_RESULT_BYTES) for b in rows]}
 
 
-def participants(s: Session, run_id: str) -> dict[str, Any]:
-    """Workers' signed registrations (so validators can check them) and ban state."""
+def participants(s: Session, run_id: str, offset: int = 0,
+                 limit: int = MAX_PAGE) -> dict[str, Any]:
+    """Workers' signed registrations (so validators can check them) and ban state, a page
+    at a time in registration order (``next_offset`` null on the last page)."""
+    limit = max(1, min(limit, MAX_PAGE))
+    offset = max(0, offset)
     rows = s.execute(select(t.Participant).where(
         t.Participant.run_id == run_id, t.Participant.role == "worker")
-        .order_by(t.Participant.id)).scalars().all()
-    return {"run_id": run_id, "participants": [
-        {"registration": decode_canonical(p.registration) if p.registration else None,
-         "pubkey": p.pubkey, "registered_round": p.registered_round,
-         "banned_until_round": p.banned_until_round} for p in rows]}
+        .order_by(t.Participant.id).offset(offset).limit(limit + 1)).scalars().all()
+    more = len(rows) > limit
+    return {"run_id": run_id, "offset": offset, "limit": limit,
+            "next_offset": offset + limit if more else None, "participants": [
+                {"registration": decode_canonical(p.registration) if p.registration else None,
+                 "pubkey": p.pubkey, "registered_round": p.registered_round,
+                 "banned_until_round": p.banned_until_round} for p in rows[:limit]]}
 
 
 def beacon(s: Session, run_id: str, r: int) -> dict[str, Any]:
@@ -292,7 +347,7 @@ def round_page(s: Session, run_id: str, r: int, *, offset: int = 0,
                          .order_by(t.Rejection.id).limit(DOOR_ROWS)).scalars().all()
     return {**info, "last_round": last,
             "accepted": counts.get("accepted", 0), "rejected": counts.get("rejected", 0),
-            "rewards_paid": paid,
+            "excluded": counts.get("excluded", 0), "rewards_paid": paid,
             "verdicts": [{**_verdict_json(v), "challenged": challenged.get((r, v.worker), [])}
                          for v in verdicts],
             "offset": offset, "limit": limit,

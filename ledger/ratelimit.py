@@ -3,10 +3,14 @@
 A bucket holds up to ``burst`` tokens and refills at ``rate`` per second; a
 request takes one token or is refused with HTTP 429 (``rate_limited``,
 ``Retry-After``). The per-IP check runs before anything is read; the per-key
-check runs once a write's signature has verified (so nobody can drain
-another key's bucket), which is why a flood from one key cannot starve the
-others. Refusals are counted in /metrics, not written to the database. The
-number of tracked clients is bounded (least recently seen forgotten first).
+check runs once a write's signature has verified, it is for this URL's run and
+round, and it is not an exact copy of a stored message: only the key's holder
+can send such a message, so nobody can drain another key's bucket, and a flood
+from one key cannot starve the others. Copies of stored (public) messages are
+answered from the store and charged to a bucket of their (key, address) pair
+instead (scope ``replay``), so a replayer throttles only itself. Refusals are
+counted in /metrics, not written to the database. The number of tracked clients
+is bounded (least recently seen forgotten first).
 """
 
 from __future__ import annotations
@@ -53,13 +57,15 @@ class RateLimits:
     per_ip: TokenBuckets | None
     per_key: TokenBuckets | None
     refused: dict[str, int]
+    per_replay: TokenBuckets | None = None
 
     @classmethod
     def build(cls, ip_rate: float, ip_burst: float, key_rate: float,
               key_burst: float) -> RateLimits:
         return cls(TokenBuckets(ip_rate, ip_burst) if ip_rate > 0 else None,
                    TokenBuckets(key_rate, key_burst) if key_rate > 0 else None,
-                   {"ip": 0, "key": 0})
+                   {"ip": 0, "key": 0, "replay": 0},
+                   TokenBuckets(key_rate, key_burst) if key_rate > 0 else None)
 
 
 LIMITS = web.AppKey("rate_limits", RateLimits)
@@ -89,6 +95,17 @@ def charge_signer(request: web.Request, signer: str) -> None:
     wait = limits.per_key.take(signer)
     if wait > 0:
         limits.refused["key"] += 1
+        raise KeyRateLimited(wait)
+
+
+def charge_replay(request: web.Request, signer: str) -> None:
+    """Charge a copy of a stored message to its (key, address) pair, never to the key."""
+    limits = request.app.get(LIMITS)
+    if limits is None or limits.per_replay is None:
+        return
+    wait = limits.per_replay.take(signer + "@" + (request.remote or "?"))
+    if wait > 0:
+        limits.refused["replay"] += 1
         raise KeyRateLimited(wait)
 
 

@@ -333,3 +333,22 @@ class PrunedBlob(Base):
     size: Mapped[int] = mapped_column(BigInteger)
     pruned_at: Mapped[float] = mapped_column(Float)
     policy: Mapped[str] = mapped_column(String(64))
+
+
+class DkgPost(Base):
+    """A threshold-beacon run's board (specs/protocol.md 5.4a): the DKG's signed posts
+    (round 0; ``kind`` one of ``dkg_keys`` ... ``dkg_result``, one per validator), the
+    ledger's ``dkg_group`` row (``sender`` empty; canonical JSON of the group key, public
+    shares and the results a quorum signed) and each round's ``beacon_partial`` posts.
+    ``received_at`` is what the DKG's phase schedule is computed from."""
+
+    __tablename__ = "dkg_posts"
+    __table_args__ = (UniqueConstraint("run_id", "round", "kind", "sender"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64))
+    round: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(24))
+    sender: Mapped[str] = mapped_column(String(64))
+    digest: Mapped[str] = mapped_column(String(64))
+    body: Mapped[bytes] = mapped_column(StoredBytes)
+    received_at: Mapped[float] = mapped_column(Float)

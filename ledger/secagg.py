@@ -4,10 +4,13 @@ The ledger is the workers' bulletin board for a masked round. When the
 round's beacon is fixed it deals the sealed submitters into buckets
 (``start``); from then on it takes, phase by phase, each member's key advert,
 deal (share commitments and sealed shares), masked input (with its words
-file) and reveal, refusing a post to a phase that is not open, from a sender
-that phase does not wait for, or that contradicts the board (a deal for other
-holders than the bucket's advertisers, a reveal for another survivor set than
-the one the board fixed). Spot-checked workers post their mask opening.
+file), signed view and reveal, refusing a post to a phase that is not open, from
+a sender that phase does not wait for, or that contradicts the board (a key of low
+order, a deal for other holders than the bucket's advertisers, a masked input, view
+or reveal naming other members, dealers or survivors than the board's, a reveal
+without k survivors' signatures on its view). Spot-checked workers post their mask
+opening. Workers and validators check all of it again: an honest ledger's refusals
+keep the board clean, a lying one is caught by the signed views.
 
 It never sees an update and checks no cryptography beyond the envelope's
 signature: the validators do that when they unmask, and blame by the
@@ -30,14 +33,19 @@ from veritrain.protocol.messages import (
     SecaggMasked,
     SecaggOpening,
     SecaggReveal,
+    SecaggView,
     Signed,
 )
 from veritrain.protocol.secagg import (
     BucketState,
     Phase,
+    bucket_threshold,
     open_phase,
     phase_schedule,
     round_buckets,
+    usable_x25519,
+    view_digest,
+    view_signers,
     words_file_bytes,
 )
 
@@ -45,9 +53,9 @@ from . import schema as t
 
 #: kind on the board -> message class; the phases in order, then the openings.
 KINDS: dict[str, type] = {"keys": SecaggKeys, "deal": SecaggDeal, "masked": SecaggMasked,
-                          "reveal": SecaggReveal, "opening": SecaggOpening}
-SENDER_FIELD = {"keys": "worker", "deal": "dealer", "masked": "worker", "reveal": "holder",
-                "opening": "worker"}
+                          "view": SecaggView, "reveal": SecaggReveal, "opening": SecaggOpening}
+SENDER_FIELD = {"keys": "worker", "deal": "dealer", "masked": "worker", "view": "worker",
+                "reveal": "holder", "opening": "worker"}
 Accepted = tuple[dict[str, Any], bool]
 
 
@@ -104,7 +112,7 @@ class Board:
             if row.kind in self.posts:
                 self.posts[row.kind][row.sender] = row
         received = {k: {w: (row.bucket, row.received_at) for w, row in self.posts[k].items()}
-                    for k in ("keys", "deal", "masked", "reveal")}
+                    for k in ("keys", "deal", "masked", "view", "reveal")}
         self.phases: list[Phase]
         self.states: list[BucketState]
         self.phases, self.states = phase_schedule(
@@ -122,11 +130,13 @@ class Board:
             "run_id": self.spec.run_id, "round": self.round, "now": self.now,
             "started_at": self.started_at,
             "phases": [p.to_json() for p in self.phases],
-            "complete": len(self.phases) == 4 and self.phases[-1].closed_at is not None,
+            "complete": (len(self.phases) == len(KINDS) - 1
+                         and self.phases[-1].closed_at is not None),
             "buckets": [{"index": st.index, "assigned": list(st.assigned),
                          "members": None if st.members is None else list(st.members),
                          "dealers": None if st.dealers is None else list(st.dealers),
                          "survivors": None if st.survivors is None else list(st.survivors),
+                         "signers": None if st.signers is None else list(st.signers),
                          "live": st.live} for st in states],
             "posts": {kind: self.wire(kind, bucket) for kind in KINDS},
         }
@@ -153,10 +163,38 @@ def _check_deal(st: BucketState, msg: SecaggDeal) -> None:
                             "malformed")
 
 
-def _check_reveal(st: BucketState, msg: SecaggReveal) -> None:
+def _check_keys(msg: SecaggKeys) -> None:
+    if not (usable_x25519(msg.enc_public) and usable_x25519(msg.mask_public)):
+        raise RejectedInput("an X25519 key of low order agrees no secret", "malformed")
+
+
+def _check_masked(spec: RunSpec, r: int, st: BucketState, msg: SecaggMasked) -> None:
+    if msg.words_bytes != words_file_bytes(spec.num_params):
+        raise RejectedInput(f"a masked input is {words_file_bytes(spec.num_params)} bytes",
+                            "malformed")
+    if msg.dealers_digest != view_digest(spec.run_id, r, st.index, st.members or (),
+                                         st.dealers or ()):
+        raise RejectedInput("a masked input names other members or dealers than the board's",
+                            "malformed")
+
+
+def _same_view(st: BucketState, msg: SecaggView | SecaggReveal) -> None:
+    if (msg.members, msg.dealers, msg.survivors) != (list(st.members or ()),
+                                                     list(st.dealers or ()),
+                                                     list(st.survivors or ())):
+        raise RejectedInput("the view differs from the board's members, dealers or survivors",
+                            "malformed")
+
+
+def _check_reveal(spec: RunSpec, st: BucketState, msg: SecaggReveal) -> None:
     survivors = list(st.survivors or ())
-    if msg.survivors != survivors:
-        raise RejectedInput(f"the board's survivors are {len(survivors)} others", "malformed")
+    _same_view(st, msg)
+    masked = spec.masked
+    assert masked is not None
+    k = bucket_threshold(masked["max_dropouts"], len(st.assigned))
+    if len(view_signers(msg)) < k or len(msg.view_signatures) > len(survivors):
+        raise RejectedInput(f"a reveal carries k = {k} survivors' signatures on its view, "
+                            "each once", "malformed")
     dropped = set(st.dealers or ()) - set(survivors)
     seed = [x["dealer"] for x in msg.seed_shares]
     key = [x["dealer"] for x in msg.key_shares]
@@ -191,13 +229,16 @@ def accept_post(s: Session, spec: RunSpec, rnd: t.Round, kind: str, signed: Sign
                                 "not_challenged")
     else:
         st = _phase_post(board, kind, sender, msg.bucket)
-        if kind == "deal":
+        if kind == "keys":
+            _check_keys(msg)
+        elif kind == "deal":
             _check_deal(st, msg)
-        elif kind == "masked" and msg.words_bytes != words_file_bytes(spec.num_params):
-            raise RejectedInput(f"a masked input is {words_file_bytes(spec.num_params)} bytes",
-                                "malformed")
+        elif kind == "masked":
+            _check_masked(spec, rnd.round, st, msg)
+        elif kind == "view":
+            _same_view(st, msg)
         elif kind == "reveal":
-            _check_reveal(st, msg)
+            _check_reveal(spec, st, msg)
     if not store:
         return {"kind": kind, "already": False}, True
     s.add(t.SecaggMessage(run_id=spec.run_id, round=rnd.round, kind=kind, sender=sender,

@@ -3,9 +3,11 @@
 Route modules (node_api.py for the nodes, audit_api.py for auditors, web_page.py for
 people) are thin handlers over :class:`LedgerStore`: they decode, call the store on the
 single writer thread (reads go to a small reader pool), and encode the reply. Every
-refusal is an ``application/problem+json`` body with a stable ``reason`` and is recorded
-in the ``rejections`` table (:func:`problems_middleware`); an unexpected error is logged
-and answered 500 without details. Beside the requests run the round ticker, the
+refusal is an ``application/problem+json`` body with a stable ``reason`` and, when its
+signer sent it into an existing run, is recorded in the ``rejections`` table (bounded per
+run, reason and hour; :func:`problems_middleware`); an unexpected error is logged and
+answered 500 without details, a client that hangs up is logged as an abort. Every response
+carries the security headers of :data:`SECURITY_HEADERS`. Beside the requests run the round ticker, the
 checkpoint signer and the blob pruner (:class:`BackgroundPruner`, retention.py).
 """
 
@@ -19,10 +21,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
 
-from . import audit_api, node_api, retention, web_page
+from . import audit_api, membership_api, node_api, retention, web_page
+from . import schema as t
 from .api_base import (
     LEDGER,
     MAX_MESSAGE_BYTES,
@@ -42,6 +47,54 @@ __all__ = ["LEDGER", "PRUNER", "LedgerConfig", "make_app", "problems_middleware"
 
 log = logging.getLogger("veritrain.ledger")
 
+#: On every response: nothing is sniffed, framed or sent a referrer.
+SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
+                    "Referrer-Policy": "no-referrer",
+                    "Cross-Origin-Resource-Policy": "same-origin"}
+#: The web pages load only their own script and style sheet (one inline width style).
+PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+            "img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'none'; "
+            "frame-ancestors 'none'")
+#: Everything else (JSON, CSV, exports, metrics) is data, never a document.
+DATA_CSP = "default-src 'none'; frame-ancestors 'none'; sandbox"
+
+
+async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:
+    for name, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)
+    html = response.headers.get("Content-Type", "").startswith("text/html")
+    response.headers.setdefault("Content-Security-Policy", PAGE_CSP if html else DATA_CSP)
+
+
+def _member(s: Session, run_id: str, key: str) -> bool:
+    run = s.get(t.Run, run_id)
+    return run is not None and (run.organiser == key or s.execute(select(t.Participant.id).where(
+        t.Participant.run_id == run_id, t.Participant.pubkey == key)).first() is not None)
+
+
+def _endpoint(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return request.method + " " + (resource.canonical if resource else request.path)
+
+
+async def _record(request: web.Request, exc: RejectedInput) -> None:
+    """Write a refusal as a row only when its signer sent it (a fresh message whose
+    signature verified; never a copy of a stored one) and is a member of the run (its
+    organiser, a validator or a registered worker: a throwaway key costs no row), at most
+    ``rejection_rows_per_hour`` per run and reason; every refusal is counted in /metrics."""
+    signer = request.get(SIGNER)
+    run_id = request.match_info.get("run_id", "")
+    if signer is None or not run_id or len(run_id) > 64:
+        return
+    ledger = request.app[LEDGER]
+    if not await ledger.read(_member, run_id, signer):
+        return
+    if not ledger.rejection_budget.take(run_id, exc.reason):
+        return
+    round_txt = request.match_info.get("round", "")
+    await ledger.write(ledger.store.record_rejection, run_id,
+                       int(round_txt) if round_txt.isdigit() and len(round_txt) < 12 else None,
+                       signer, _endpoint(request)[:64], exc.reason, str(exc))
 
 
 @web.middleware
@@ -53,18 +106,11 @@ async def problems_middleware(
         return await handler(request)
     except RejectedInput as exc:
         status = STATUS_BY_REASON.get(exc.reason, 400)
-        ledger = request.app[LEDGER]
-        run_id = request.match_info.get("run_id", "")
-        round_txt = request.match_info.get("round", "")
-        if request.method in ("GET", "HEAD"):
-            return problem(status, exc.reason, str(exc))
-        with contextlib.suppress(Exception):
-            await ledger.write(
-                ledger.store.record_rejection, run_id,
-                int(round_txt) if round_txt.isdigit() else None,
-                request.get(SIGNER), request.method + " " + (request.match_info.route.resource
-                                                              .canonical if request.match_info.route.resource else request.path),
-                exc.reason, str(exc))
+        if request.method not in ("GET", "HEAD"):
+            try:
+                await _record(request, exc)
+            except Exception:
+                log.warning("could not record a refusal on %s", request.path, exc_info=True)
         return problem(status, exc.reason, str(exc))
     except web.HTTPRequestEntityTooLarge as exc:
         return problem(413, "oversized", exc.text or "request body too large")
@@ -72,6 +118,9 @@ async def problems_middleware(
         if exc.status >= 400:
             return problem(exc.status, exc.reason.lower().replace(" ", "_"), exc.text or exc.reason)
         raise
+    except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError) as exc:
+        log.info("client aborted %s %s: %s", request.method, request.path, exc)
+        return problem(400, "aborted", "the client closed the connection mid-request")
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
         return problem(500, "internal_error", "internal error; the request changed nothing")
@@ -99,6 +148,7 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
         await task
     ledger.writer.shutdown(wait=True)
     ledger.readers.shutdown(wait=True)
+    ledger.verifier.shutdown(wait=True)
     ledger.store.engine.dispose()
 
 
@@ -115,18 +165,56 @@ def make_app(config: LedgerConfig, identity: Identity) -> web.Application:
     app = web.Application(client_max_size=MAX_MESSAGE_BYTES, middlewares=[
         metrics_middleware, ratelimit_middleware, problems_middleware, media_type_middleware])
     app[LEDGER] = ledger
+    app.on_response_prepare.append(_security_headers)
     if not config.retention.keep_blobs:
         app[PRUNER] = BackgroundPruner(ledger)
     app[METRICS] = Metrics()
     app[LIMITS] = RateLimits.build(config.ip_rate, config.ip_burst, config.key_rate,
                                    config.key_burst)
     app.add_routes(node_api.routes)
+    app.add_routes(membership_api.routes)
     app.add_routes(audit_api.routes)
     app.add_routes(web_page.routes)
+    app.cleanup_ctx.append(_collector)
     app.cleanup_ctx.append(_ticker)
     app.cleanup_ctx.append(_checkpoint_signer)
     app.cleanup_ctx.append(_pruner)  # stopped first: before the writer shuts down
     return app
+
+
+#: Temporary upload files untouched this long are leftovers (uploads write at least every
+#: idle limit; a staged file waits for one writer transaction).
+TMP_MAX_AGE_SECONDS = 600.0
+
+
+async def _collector(app: web.Application) -> AsyncIterator[None]:
+    """At start, before any request: delete published files no blob row names (a crash
+    between publishing and commit; refused uploads an older version kept). Then, every
+    minute, the temporary files of uploads cut short that nothing deleted."""
+    ledger = app[LEDGER]
+
+    def referenced(batch: list[str]) -> set[str]:
+        with ledger.store.sessions() as s:
+            return set(s.execute(select(t.Blob.sha256).where(t.Blob.sha256.in_(batch)))
+                       .scalars())
+
+    gone = await ledger.write(ledger.blobs.collect_unreferenced, referenced)
+    if gone:
+        log.info("collected %d blob files no row names", gone)
+
+    async def loop() -> None:
+        while True:
+            await asyncio.sleep(60.0)
+            try:
+                await asyncio.to_thread(ledger.blobs.sweep_tmp, TMP_MAX_AGE_SECONDS)
+            except Exception:
+                log.exception("sweeping upload leftovers failed")
+
+    task = asyncio.create_task(loop())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _checkpoint_signer(app: web.Application) -> AsyncIterator[None]:

@@ -35,6 +35,9 @@ from veritrain.protocol.messages import (
 from . import schema as t
 
 LEDGER_INDEX = -1
+#: What a proven shard fault costs its publisher: its attestation of that round does not
+#: count toward the certificate (``faulted_validators``), and with bonds (#20) a slash.
+SHARD_FAULT_PENALTY = "excluded_from_quorum"
 #: What each ``accept_*`` returns: (reply, whether the message is new, ledger events).
 Accepted = tuple[dict[str, Any], bool, list[dict[str, Any]]]
 
@@ -186,8 +189,19 @@ def accept_finding(s: Session, spec: RunSpec, idx: int, rnd: t.Round,
     if msg.faulty and len(reporters) == spec.quorum:
         events.append({"kind": "shard_fault", "round": rnd.round, "shard": msg.shard,
                        "publisher": msg.publisher, "reporters": reporters,
-                       "reason": msg.reason})
+                       "reason": msg.reason, "penalty": SHARD_FAULT_PENALTY})
     return {"already": False, "faulty_reports": len(reporters)}, True, events
+
+
+def faulted_validators(s: Session, spec: RunSpec, r: int) -> set[int]:
+    """The validators of round ``r`` whose shard a quorum of findings proved faulty: the
+    penalty of a ``shard_fault`` is that their attestation does not count toward the
+    round's certificate (findings rest on the exact check, never on a sample)."""
+    faulty: dict[int, set[int]] = {}
+    for row in _rows(s, spec.run_id, r, "finding"):
+        if decode_canonical(row.body)["body"]["faulty"]:
+            faulty.setdefault(row.shard, set()).add(row.validator_index)
+    return {k for k, v in faulty.items() if len(v) >= spec.quorum}
 
 
 def round_shards(s: Session, spec: RunSpec, r: int) -> dict[str, Any]:

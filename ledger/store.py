@@ -17,11 +17,13 @@ from sqlalchemy import create_engine, event, func, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
-from veritrain.protocol import bls
+from veritrain.protocol import bls, dkg
 from veritrain.protocol.beacon import beacon_root, beacon_seed_of, sealed_list_digest
+from veritrain.protocol.board import open_member_post
 from veritrain.protocol.encoding import decode_canonical, encode_canonical
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
+from veritrain.protocol.membership import admission_problem_of_spec
 from veritrain.protocol.messages import (
     BeaconShare,
     Receipt,
@@ -42,8 +44,11 @@ from veritrain.protocol.messages import (
 from veritrain.protocol.rules import SubmissionContext, check_submission
 from veritrain.protocol.schedule import Action, RoundStatus, RoundView, next_action
 
-from . import migrate, secagg, shards
+from . import dkg as dkg_board
+from . import membership, migrate, secagg, shards
 from . import schema as t
+from .admission import BlsVerifier
+from .blobs import BlobStore, StagedBlob
 from .chain import GENESIS_HASH, compute_event_hash
 from .challenges import check_reveal_allowed, fix_challenges
 from .checkpoints import Checkpointer, chain_head, note_append
@@ -118,6 +123,12 @@ class LedgerStore:
         self.checkpointer = Checkpointer(identity, clock)
         self.checkpointer.install(self.sessions)
         self._specs: dict[bytes, RunSpec] = {}
+        #: BLS outcomes computed once per exact input (admission.py).
+        self.bls = BlsVerifier()
+        #: The most validators a run spec may name (``LedgerConfig.max_validators``).
+        self.max_validators = 256
+        #: Where staged uploads are published on acceptance (the server sets it).
+        self.blobs: BlobStore | None = None
 
     # ----------------------------------------------------------------- chain
 
@@ -148,27 +159,75 @@ class LedgerStore:
                                                        RunSpec).message
         return spec
 
-    def create_run(self, signed: Signed[RunSpec]) -> None:
+    def precheck_run(self, s: Session, signed: Signed[RunSpec]) -> None:
+        """``create_run``'s cheap checks (shape, validator cap, an existing run id): no
+        cryptography, nothing stored; run before any proof of possession or upload."""
         spec = signed.message
+        if s.get(t.Run, spec.run_id) is not None:
+            raise Conflict(f"run {spec.run_id!r} exists")
         if signed.signer != spec.organiser:
             raise RejectedInput("run spec not signed by its organiser", "bad_signature")
+        if len(spec.validators) > self.max_validators:
+            raise RejectedInput(f"a run may name at most {self.max_validators} validators "
+                                "on this ledger", "malformed")
         if spec.quorum > len(spec.validators) or not spec.validators:
             raise RejectedInput("quorum larger than the validator set", "malformed")
         if (problem := spec.sharding_problem() or spec.masking_problem()) is not None:
             raise RejectedInput(problem, "malformed")
+        if (problem := admission_problem_of_spec(spec.admission)) is not None:
+            raise RejectedInput(problem, "malformed")
         keys = [v["ed25519"] for v in spec.validators]
         if len(set(keys)) != len(keys) or len({v["bls"] for v in spec.validators}) != len(keys):
             raise RejectedInput("validator keys repeat", "malformed")
+
+    def organiser_bytes(self, s: Session, organiser: str) -> int:
+        """The bytes of the datasets and genesis models of the runs ``organiser`` created
+        (bounded by ``LedgerConfig.organiser_quota_bytes``)."""
+        total = 0
+        for run_id in s.execute(select(t.Run.run_id).where(t.Run.organiser == organiser)
+                                ).scalars().all():
+            spec = self.get_spec(s, run_id)
+            total += s.execute(select(func.coalesce(func.sum(t.Blob.size), 0)).where(
+                t.Blob.sha256.in_({spec.dataset_hash, spec.genesis_model_hash}))).scalar_one()
+        return int(total)
+
+    def verify_possessions(self, spec: RunSpec) -> None:
+        """Every validator's BLS proof of possession (each verified once per key, ever)."""
         for v in spec.validators:
-            if not bls.verify_possession(bytes.fromhex(v["bls"]), bytes.fromhex(v["bls_pop"])):
+            if not self.bls.verify_possession(bytes.fromhex(v["bls"]),
+                                              bytes.fromhex(v["bls_pop"])):
                 raise RejectedInput(
                     f"validator {v['ed25519'][:12]} has no valid BLS proof of possession",
                     "bad_signature",
                 )
+
+    def _stage_rows(self, s: Session, staged: tuple[StagedBlob, ...]) -> None:
+        """Blob rows for the staged uploads of the message being accepted (rolled back
+        with it when it is refused)."""
+        for blob in staged:
+            if s.get(t.Blob, blob.digest) is None:
+                s.add(t.Blob(sha256=blob.digest, size=blob.size, kind=blob.kind,
+                             run_id=blob.run_id, sealed_round=blob.sealed_round,
+                             created_at=self.clock()))
+        s.flush()
+
+    def _publish(self, staged: tuple[StagedBlob, ...]) -> None:
+        """Move the accepted message's files into place, just before its commit (a crash
+        in between leaves a file no row names, collected at the next start)."""
+        if staged:
+            assert self.blobs is not None, "staged uploads need the server's blob store"
+            self.blobs.publish(staged)
+
+    def create_run(self, signed: Signed[RunSpec], staged: tuple[StagedBlob, ...] = ()) -> None:
+        spec = signed.message
+        with self.sessions() as s:
+            self.precheck_run(s, signed)
+        self.verify_possessions(spec)
         now = self.clock()
         with self.sessions.begin() as s:
             if s.get(t.Run, spec.run_id) is not None:
                 raise Conflict(f"run {spec.run_id!r} exists")
+            self._stage_rows(s, staged)
             for digest in (spec.dataset_hash, spec.genesis_model_hash):
                 if s.get(t.Blob, digest) is None:
                     raise RejectedInput(f"blob {digest[:12]} was not uploaded", "missing_payload")
@@ -180,6 +239,7 @@ class LedgerStore:
                 s.add(t.Participant(run_id=spec.run_id, pubkey=v["ed25519"], role="validator",
                                     registered_at=now, registered_round=0))
             self._open_round(s, spec, 0, spec.genesis_model_hash, None, now)
+            self._publish(staged)
 
     def _open_round(
         self, s: Session, spec: RunSpec, r: int, base: str, outer: str | None, now: float
@@ -214,6 +274,20 @@ class LedgerStore:
 
     # ----------------------------------------------------------------- participants
 
+    def registered(self, s: Session, signed: Signed[Registration]
+                   ) -> tuple[dict[str, Any], bool] | None:
+        """The reply a registration gets when its key is registered already, and whether
+        it is this exact registration resent (then nobody is charged for it); else None."""
+        reg = signed.message
+        self.get_spec(s, reg.run_id)
+        existing = self._participant(s, reg.run_id, reg.participant)
+        if existing is None:
+            return None
+        reply = {"participant": existing.pubkey, "role": existing.role,
+                 "registered_round": existing.registered_round, "new": False}
+        return reply, existing.registration is not None and bytes(
+            existing.registration) == signed.encode()
+
     def register(self, signed: Signed[Registration]) -> dict[str, Any]:
         reg = signed.message
         if signed.signer != reg.participant:
@@ -226,6 +300,8 @@ class LedgerStore:
             if existing is not None:
                 return {"participant": existing.pubkey, "role": existing.role,
                         "registered_round": existing.registered_round, "new": False}
+            # The run's admission policy, from its chained rows (ledger/membership.py).
+            membership.check_registration(s, self.get_spec(s, reg.run_id), reg.participant)
             current = self._current_round(s, reg.run_id)
             s.add(t.Participant(run_id=reg.run_id, pubkey=reg.participant, role=reg.role,
                                 registered_at=self.clock(), registered_round=current.round,
@@ -233,6 +309,20 @@ class LedgerStore:
             self._append(s, reg.run_id, "registration", signed.encode())
             return {"participant": reg.participant, "role": reg.role,
                     "registered_round": current.round, "new": True}
+
+    def post_membership(self, signed: Signed[Any]) -> dict[str, Any]:
+        """A signed admission ticket, revocation, bond deposit or withdrawal
+        (protocol/membership.py): checked against the run's policy and chained; an exact
+        resend is answered as stored."""
+        msg = signed.message
+        with self.sessions.begin() as s:
+            spec = self.get_spec(s, msg.run_id)
+            if membership.stored(s, msg.run_id, signed):
+                return {"kind": msg.KIND, "digest": signed.digest, "new": False}
+            membership.check_message(s, spec, signed)
+            row = self._append(s, msg.run_id, msg.KIND, signed.encode())
+            return {"kind": msg.KIND, "digest": signed.digest, "sequence": row.seq,
+                    "new": True}
 
     def _participant(self, s: Session, run_id: str, pubkey: str) -> t.Participant | None:
         return s.execute(select(t.Participant).where(
@@ -398,21 +488,61 @@ class LedgerStore:
             raise WrongState(f"a {what} is taken only after round {r} closes")
         return idx, rnd
 
+    def _beacon_state(self, s: Session, rnd: t.Round) -> dict[str, Any]:
+        if rnd.beacon is not None:
+            fixed = decode_canonical(rnd.beacon)
+            return {"beacon": fixed, "envelopes": beacon_envelopes(s, rnd.run_id, rnd.round,
+                                                                   fixed)}
+        shares = s.execute(select(func.count()).select_from(t.BeaconShareRow).where(
+            t.BeaconShareRow.run_id == rnd.run_id, t.BeaconShareRow.round == rnd.round)
+        ).scalar_one()
+        return {"beacon": None, "shares": shares}
+
+    def precheck_beacon_share(self, s: Session, signed: Signed[BeaconShare]
+                              ) -> tuple[dict[str, Any] | None, int]:
+        """``post_beacon_share``'s cheap checks (validator, closed round, sealed list), no
+        cryptography: (the round's beacon state if this exact share is stored already,
+        else None; the validator's index). Raises the refusal."""
+        msg = signed.message
+        spec = self.get_spec(s, msg.run_id)
+        if spec.threshold_beacon:  # its beacon is the group signature (5.4a), never shares
+            raise WrongState(f"run {msg.run_id} uses the threshold beacon: post a partial")
+        idx, rnd = self._closed_round_for_validator(s, spec, signed.signer, msg.validator,
+                                                    msg.round, "beacon share")
+        stored = s.execute(select(t.BeaconShareRow.envelope).where(
+            t.BeaconShareRow.run_id == msg.run_id, t.BeaconShareRow.round == msg.round,
+            t.BeaconShareRow.validator_index == idx)).scalar_one_or_none()
+        if stored is not None and bytes(stored) == signed.encode():
+            return self._beacon_state(s, rnd), idx
+        sealed = sealed_list_digest(s.execute(select(t.Submission.digest).where(
+            t.Submission.run_id == msg.run_id, t.Submission.round == msg.round)).scalars())
+        if msg.sealed != sealed:
+            raise RejectedInput("the share names another sealed list than the round's",
+                                "wrong_sealed_list")
+        return None, idx
+
+    def beacon_share_verifies(self, signed: Signed[BeaconShare]) -> bool:
+        """The share's BLS signature (cached): the expensive check, run last."""
+        msg = signed.message
+        with self.sessions() as s:
+            spec = self.get_spec(s, msg.run_id)
+        idx = spec.validator_index(signed.signer)
+        return idx is not None and self.bls.verify(
+            bytes.fromhex(spec.validators[idx]["bls"]), beacon_root(msg.run_id, msg.round),
+            bytes.fromhex(msg.share))
+
     def post_beacon_share(self, signed: Signed[BeaconShare]) -> dict[str, Any]:
         """Collect validators' beacon shares after close; fix the first quorum to arrive."""
         msg = signed.message
         with self.sessions.begin() as s:
             spec = self.get_spec(s, msg.run_id)
-            idx, rnd = self._closed_round_for_validator(s, spec, signed.signer, msg.validator,
-                                                        msg.round, "beacon share")
-            if not bls.verify(bytes.fromhex(spec.validators[idx]["bls"]),
-                              beacon_root(msg.run_id, msg.round), bytes.fromhex(msg.share)):
+            resent, idx = self.precheck_beacon_share(s, signed)
+            if resent is not None:
+                return resent
+            rnd = self._round(s, msg.run_id, msg.round)
+            if not self.bls.verify(bytes.fromhex(spec.validators[idx]["bls"]),
+                                   beacon_root(msg.run_id, msg.round), bytes.fromhex(msg.share)):
                 raise RejectedInput("beacon share does not verify", "bad_signature")
-            sealed = sealed_list_digest(s.execute(select(t.Submission.digest).where(
-                t.Submission.run_id == msg.run_id, t.Submission.round == msg.round)).scalars())
-            if msg.sealed != sealed:
-                raise RejectedInput("the share names another sealed list than the round's",
-                                    "wrong_sealed_list")
             if rnd.beacon is not None:
                 fixed = decode_canonical(rnd.beacon)
                 return {"beacon": fixed,
@@ -436,28 +566,128 @@ class LedgerStore:
             rnd.beacon = encode_canonical(beacon)
             self._ledger_event(s, msg.run_id, "beacon_fixed", {
                 "run_id": msg.run_id, "round": msg.round, **beacon})
-            fixed = fix_challenges(s, spec, rnd, bytes.fromhex(beacon_seed_of(rnd.beacon)),
-                                   self.clock())
-            self._ledger_event(s, msg.run_id, "challenges_fixed", {
-                "run_id": msg.run_id, "round": msg.round, "reveal_deadline": rnd.reveal_deadline,
-                "challenges": fixed})
-            if spec.masked is not None:
-                workers = sorted(s.execute(select(t.Submission.worker).where(
-                    t.Submission.run_id == msg.run_id, t.Submission.round == msg.round)).scalars())
-                started = secagg.start_round(s, spec, msg.round,
-                                             bytes.fromhex(beacon_seed_of(rnd.beacon)), workers,
-                                             self.clock())
-                self._ledger_event(s, msg.run_id, "secagg_started",
-                                   {"run_id": msg.run_id, **started})
+            self._beacon_fixed_effects(s, spec, rnd)
             return {"beacon": beacon,
                     "envelopes": beacon_envelopes(s, msg.run_id, msg.round, beacon)}
+
+    # ----------------------------------------------------------------- threshold beacon
+    # specs/protocol.md 5.4a: the DKG's board (ledger/dkg.py) and each round's partials.
+
+    def dkg_view(self, s: Session, run_id: str) -> dict[str, Any]:
+        spec = self.get_spec(s, run_id)
+        run = s.get(t.Run, run_id)
+        assert run is not None
+        return dkg_board.view(s, spec, run.created_at, self.clock())
+
+    def post_dkg(self, wire: Any) -> dict[str, Any]:
+        """A validator's DKG post; the group key is fixed (and chained, with the results a
+        quorum signed) by the result post that makes a quorum agree."""
+        run_id = wire.get("body", {}).get("run_id") if isinstance(wire, dict) else None
+        if not isinstance(run_id, str):
+            raise RejectedInput("a DKG post names its run", "malformed")
+        with self.sessions.begin() as s:
+            spec = self.get_spec(s, run_id)
+            run = s.get(t.Run, run_id)
+            assert run is not None
+            reply, _, group = dkg_board.accept_post(s, spec, wire, run.created_at, self.clock())
+            if group is not None:
+                self._ledger_event(s, run_id, "dkg_group_fixed",
+                                   {"run_id": run_id, "round": 0, **group})
+            return reply
+
+    def _threshold_round(self, s: Session, signed: Signed[Any]
+                         ) -> tuple[RunSpec, int, t.Round, Any]:
+        """A partial's cheap checks: a threshold run with its group fixed, a validator of
+        it, a closed round, the round's sealed list. (spec, index, round, group)."""
+        msg = signed.message
+        spec = self.get_spec(s, msg.run_id)
+        if not spec.threshold_beacon:
+            raise WrongState(f"run {msg.run_id} uses the quorum-of-shares beacon")
+        idx, rnd = self._closed_round_for_validator(s, spec, signed.signer, msg.validator,
+                                                    msg.round, "beacon partial")
+        group = dkg_board.group_result(s, msg.run_id)
+        if group is None:
+            raise WrongState("the run's DKG has not fixed a group key yet")
+        sealed = sealed_list_digest(s.execute(select(t.Submission.digest).where(
+            t.Submission.run_id == msg.run_id, t.Submission.round == msg.round)).scalars())
+        if msg.sealed != sealed:
+            raise RejectedInput("the partial names another sealed list than the round's",
+                                "wrong_sealed_list")
+        return spec, idx, rnd, group
+
+    def open_partial(self, s: Session, run_id: str, r: int, wire: Any) -> Signed[Any]:
+        """A posted partial opened against the run's validator set (``open_member_post``:
+        its signature in domain ``beacon_partial``, signer = the validator it names, the
+        URL's run and round)."""
+        spec = self.get_spec(s, run_id)
+        return open_member_post(wire, dkg.BeaconPartial, member_field="validator",
+                                members={v["ed25519"] for v in spec.validators},
+                                run_id=run_id, round_index=r)
+
+    def partial_verifies(self, signed: Signed[Any]) -> bool:
+        """The partial against its validator's public key share (one pairing, cached)."""
+        msg = signed.message
+        with self.sessions() as s:
+            _, idx, _, group = self._threshold_round(s, signed)
+        return self.bls.verify(bytes.fromhex(group.public_shares[idx]),
+                               dkg.threshold_beacon_root(msg.run_id, msg.round, msg.sealed),
+                               bytes.fromhex(msg.partial))
+
+    def threshold_beacon_state(self, s: Session, run_id: str, r: int) -> dict[str, Any]:
+        rnd = self._round(s, run_id, r)
+        return {"run_id": run_id, "round": r,
+                "beacon": decode_canonical(rnd.beacon) if rnd.beacon else None,
+                "partials": dkg_board.partials(s, run_id, r)}
+
+    def post_beacon_partial(self, signed: Signed[Any]) -> dict[str, Any]:
+        """A validator's partial signature for a closed round: refused (``bad_signature``,
+        nothing stored) unless it verifies against the validator's public key share, so a
+        bad partial never blocks the round; the beacon is fixed (``threshold_beacon_fixed``)
+        when ``quorum`` verified partials are in. Later ones are kept, not chained."""
+        msg = signed.message
+        with self.sessions.begin() as s:
+            spec, idx, rnd, group = self._threshold_round(s, signed)
+            stored = dkg_board.stored_partial(s, msg.run_id, msg.round, signed.signer)
+            if stored is not None:
+                if stored.digest == signed.digest:
+                    return self.threshold_beacon_state(s, msg.run_id, msg.round)
+                raise Conflict(f"validator {idx} already posted another partial")
+            if not self.bls.verify(bytes.fromhex(group.public_shares[idx]),
+                                   dkg.threshold_beacon_root(msg.run_id, msg.round, msg.sealed),
+                                   bytes.fromhex(msg.partial)):
+                raise RejectedInput(f"validator {idx}'s partial signature does not verify "
+                                    "against its public key share", "bad_signature")
+            dkg_board.store_partial(s, signed, self.clock())
+            if rnd.beacon is None and (fixed := dkg_board.combine_stored(s, spec, msg.round)):
+                rnd.beacon = encode_canonical(fixed)
+                self._ledger_event(s, msg.run_id, "threshold_beacon_fixed", {
+                    "run_id": msg.run_id, "round": msg.round, "sealed": msg.sealed, **fixed})
+                self._beacon_fixed_effects(s, spec, rnd)
+            return self.threshold_beacon_state(s, msg.run_id, msg.round)
+
+    def _beacon_fixed_effects(self, s: Session, spec: RunSpec, rnd: t.Round) -> None:
+        """What follows a fixed beacon, of either kind: the checks, and the masked buckets
+        in a masked run."""
+        assert rnd.beacon is not None
+        seed = bytes.fromhex(beacon_seed_of(rnd.beacon))
+        fixed = fix_challenges(s, spec, rnd, seed, self.clock())
+        self._ledger_event(s, rnd.run_id, "challenges_fixed", {
+            "run_id": rnd.run_id, "round": rnd.round, "reveal_deadline": rnd.reveal_deadline,
+            "challenges": fixed})
+        if spec.masked is not None:
+            workers = sorted(s.execute(select(t.Submission.worker).where(
+                t.Submission.run_id == rnd.run_id, t.Submission.round == rnd.round)).scalars())
+            started = secagg.start_round(s, spec, rnd.round, seed, workers, self.clock())
+            self._ledger_event(s, rnd.run_id, "secagg_started", {"run_id": rnd.run_id,
+                                                                 **started})
 
     # ----------------------------------------------------------------- sharded rounds
 
     def _shard_post(self, signed: Signed[Any], what: str, accept: Callable[..., Any],
-                    chain_kind: str) -> dict[str, Any]:
+                    chain_kind: str, staged: tuple[StagedBlob, ...] = ()) -> dict[str, Any]:
         msg = signed.message
         with self.sessions.begin() as s:
+            self._stage_rows(s, staged)
             spec = self.get_spec(s, msg.run_id)
             idx, rnd = self._closed_round_for_validator(s, spec, signed.signer, msg.validator,
                                                         msg.round, what)
@@ -467,6 +697,7 @@ class LedgerStore:
             for ev in events:
                 kind = ev.pop("kind")
                 self._ledger_event(s, msg.run_id, kind, {"run_id": msg.run_id, **ev})
+            self._publish(staged)
             return reply
 
     def precheck_shard_result(self, signed: Signed[ShardPublication]) -> dict[str, Any] | None:
@@ -482,9 +713,11 @@ class LedgerStore:
                                                  store=False)
             return None if new else reply
 
-    def post_shard_result(self, signed: Signed[ShardPublication]) -> dict[str, Any]:
-        """A validator's shard result (its tensor file is stored already)."""
-        return self._shard_post(signed, "shard result", shards.accept_result, "shard_result")
+    def post_shard_result(self, signed: Signed[ShardPublication],
+                          staged: tuple[StagedBlob, ...] = ()) -> dict[str, Any]:
+        """A validator's shard result (its tensor file stored already, or ``staged``)."""
+        return self._shard_post(signed, "shard result", shards.accept_result, "shard_result",
+                                staged)
 
     def forget_unclaimed_shard_file(self, run_id: str, file_hash: str) -> bool:
         """After a refused shard publication whose file was already stored (two different
@@ -515,10 +748,12 @@ class LedgerStore:
 
     # ----------------------------------------------------------------- masked rounds
 
-    def post_secagg(self, kind: str, signed: Signed[Any]) -> dict[str, Any]:
+    def post_secagg(self, kind: str, signed: Signed[Any],
+                    staged: tuple[StagedBlob, ...] = ()) -> dict[str, Any]:
         """A worker's post to a masked round's board (keys, deal, masked, reveal, opening)."""
         msg = signed.message
         with self.sessions.begin() as s:
+            self._stage_rows(s, staged)
             spec = self.get_spec(s, msg.run_id)
             rnd = self._round(s, msg.run_id, msg.round)
             opened = set(s.execute(select(t.ChallengeRow.worker).where(
@@ -528,6 +763,7 @@ class LedgerStore:
                                             opened=opened)
             if new:
                 self._append(s, msg.run_id, msg.KIND, signed.encode())
+            self._publish(staged)
             return reply
 
     def precheck_secagg(self, kind: str, signed: Signed[Any]) -> bool:
@@ -562,8 +798,8 @@ class LedgerStore:
             return None if stored is None else open_signed(decode_canonical(stored.receipt),
                                                            RevealReceipt)
 
-    def accept_spot_reveal(self, signed: Signed[SpotReveal], digest: str, size: int
-                           ) -> Signed[RevealReceipt]:
+    def accept_spot_reveal(self, signed: Signed[SpotReveal], digest: str, size: int,
+                           staged: tuple[StagedBlob, ...] = ()) -> Signed[RevealReceipt]:
         """Record a worker's reveal whose file is stored; returns the ledger's receipt."""
         msg = signed.message
         if digest != msg.reveal_hash or size != msg.reveal_bytes:
@@ -588,37 +824,70 @@ class LedgerStore:
                                   reveal_hash=digest, size=size, received_at=now,
                                   receipt=receipt.encode()))
             self._append(s, msg.run_id, "reveal_receipt", receipt.encode())
+            self._publish(staged)
             return receipt
 
     # ----------------------------------------------------------------- results
 
-    def post_result(self, signed: Signed[RoundResult]) -> dict[str, Any]:
-        """Record one validator's result; finalize the round once a quorum agrees."""
+    def stored_result(self, s: Session, signed: Signed[RoundResult]) -> bool:
+        """Whether this exact result is stored already (a replay: answered ``duplicate``
+        from the store, with no cryptography and charging no one)."""
+        res = signed.message
+        body = s.execute(select(t.RoundResultRow.body).where(
+            t.RoundResultRow.run_id == res.run_id, t.RoundResultRow.round == res.round,
+            t.RoundResultRow.validator == res.validator)).scalar_one_or_none()
+        return body is not None and bytes(body) == signed.encode()
+
+    def precheck_result(self, s: Session, signed: Signed[RoundResult]) -> int:
+        """``post_result``'s cheap checks (validator, round state, duplicate, base, digests,
+        beacon), before the attestation is verified or any file read; the validator's
+        index. Raises the refusal."""
+        res = signed.message
+        cert = res.certified_state
+        spec = self.get_spec(s, res.run_id)
+        idx, rnd = self._closed_round_for_validator(s, spec, signed.signer, res.validator,
+                                                    res.round, "result")
+        existing = s.execute(select(t.RoundResultRow.id).where(
+            t.RoundResultRow.run_id == res.run_id, t.RoundResultRow.round == res.round,
+            t.RoundResultRow.validator == res.validator)).first()
+        if existing is not None:
+            raise Conflict("this validator already posted a result for this round")
+        if res.base_model_hash != rnd.base_model_hash or cert.round != res.round + 1:
+            raise RejectedInput("result is for another base model or round", "wrong_round")
+        if cert.verdicts_hash != digest_of(res.verdicts) or cert.scores_hash != digest_of(
+                res.scores):
+            raise RejectedInput("verdict or score digest mismatch", "malformed")
+        if rnd.beacon is None or res.beacon_seed != beacon_seed_of(rnd.beacon):
+            raise RejectedInput("result uses another beacon than the round's", "wrong_beacon")
+        return idx
+
+    def result_verifies(self, signed: Signed[RoundResult]) -> bool:
+        """The result's BLS attestation (cached): the expensive check, run last."""
+        res = signed.message
+        with self.sessions() as s:
+            spec = self.get_spec(s, res.run_id)
+        idx = spec.validator_index(signed.signer)
+        return idx is not None and self.bls.verify(
+            bytes.fromhex(spec.validators[idx]["bls"]), res.certified_state.signing_root(),
+            bytes.fromhex(res.attestation))
+
+    def post_result(self, signed: Signed[RoundResult],
+                    staged: tuple[StagedBlob, ...] = ()) -> dict[str, Any]:
+        """Record one validator's result (its staged files with it); finalize the round
+        once a quorum agrees."""
         res = signed.message
         cert = res.certified_state
         with self.sessions.begin() as s:
             spec = self.get_spec(s, res.run_id)
-            idx, rnd = self._closed_round_for_validator(s, spec, signed.signer, res.validator,
-                                                        res.round, "result")
-            if res.base_model_hash != rnd.base_model_hash or cert.round != res.round + 1:
-                raise RejectedInput("result is for another base model or round", "wrong_round")
-            if cert.verdicts_hash != digest_of(res.verdicts) or cert.scores_hash != digest_of(
-                    res.scores):
-                raise RejectedInput("verdict or score digest mismatch", "malformed")
+            idx = self.precheck_result(s, signed)
+            rnd = self._round(s, res.run_id, res.round)
+            self._stage_rows(s, staged)
             for digest in (cert.model_hash, cert.outer_state_hash, cert.update_hash):
                 if s.get(t.Blob, digest) is None:
                     raise RejectedInput(f"blob {digest[:12]} was not uploaded", "missing_payload")
-            vinfo = spec.validators[idx]
-            vkey = bytes.fromhex(vinfo["bls"])
-            if not bls.verify(vkey, cert.signing_root(), bytes.fromhex(res.attestation)):
+            vkey = bytes.fromhex(spec.validators[idx]["bls"])
+            if not self.bls.verify(vkey, cert.signing_root(), bytes.fromhex(res.attestation)):
                 raise RejectedInput("BLS attestation does not verify", "bad_signature")
-            if rnd.beacon is None or res.beacon_seed != beacon_seed_of(rnd.beacon):
-                raise RejectedInput("result uses another beacon than the round's", "wrong_beacon")
-            existing = s.execute(select(t.RoundResultRow).where(
-                t.RoundResultRow.run_id == res.run_id, t.RoundResultRow.round == res.round,
-                t.RoundResultRow.validator == res.validator)).scalar_one_or_none()
-            if existing is not None:
-                raise Conflict("this validator already posted a result for this round")
             certified_digest = digest_of(cert.to_body())
             s.add(t.RoundResultRow(run_id=res.run_id, round=res.round, validator=res.validator,
                                    certified_digest=certified_digest, body=signed.encode(),
@@ -630,6 +899,7 @@ class LedgerStore:
                 record_validator_faults(
                     s, spec, res.round, digest_of(certified),
                     lambda kind, body: self._ledger_event(s, res.run_id, kind, body))
+                self._publish(staged)
                 return {"status": "finalized", "certificate": False}
             agreeing = [
                 open_signed(decode_canonical(row.body, max_bytes=MAX_RESULT_BYTES),
@@ -639,8 +909,10 @@ class LedgerStore:
                     t.RoundResultRow.certified_digest == certified_digest)).scalars().all()
             ]
             if len(agreeing) < spec.quorum:
+                self._publish(staged)
                 return {"status": "closed", "certificate": False, "attestations": len(agreeing)}
             self._finalize(s, spec, rnd, res, agreeing)
+            self._publish(staged)
             return {"status": "finalized", "certificate": True}
 
     def _finalize(self, s: Session, spec: RunSpec, rnd: t.Round, res: RoundResult,
@@ -677,6 +949,9 @@ class LedgerStore:
         record_validator_faults(s, spec, res.round, digest_of(res.certified), emit)
         self._ledger_event(s, res.run_id, "round_finalized", {
             "run_id": res.run_id, "round": res.round, "certificate": certificate.to_json()})
+        # Bonds slashed and tickets voided for the round's proven faults, after its
+        # certificate (ledger/membership.py): none under the open policy.
+        membership.apply_slashes(s, spec, res.round, res.verdicts, emit)
         if cert.round >= spec.schedule["max_rounds"]:
             run = s.get(t.Run, res.run_id)
             assert run is not None

@@ -53,10 +53,13 @@ def _verdict_cells(v: dict[str, Any]) -> str:
 
 
 def _verdict_notes(v: dict[str, Any], indent: str = "    ") -> list[str]:
-    """Why a submission was rejected, and the evidence of each segment check."""
+    """Why a submission was rejected or excluded, and the evidence of each segment check."""
     lines = []
     if v["status"] == "rejected" and v.get("detail"):
         lines.append(f"{indent}why: {v['detail']}")
+    elif v["status"] == "excluded":  # suspicion, not proof: left out, paid
+        lines.append(f"{indent}excluded from the aggregate, not rejected (paid by its clip "
+                     f"quality): {v.get('detail') or v.get('reason')}")
     for c in v.get("checks") or []:
         dist = "-" if c.get("distance") is None else f"{c['distance']:.2e}"
         states = f"states {_short(c.get('start'))} -> {_short(c.get('end'))}"
@@ -109,11 +112,13 @@ def format_worker(data: dict[str, Any]) -> str:
     totals = data["totals"]
     banned = (f"; banned until round {data['banned_until_round']}"
               if data["banned_until_round"] >= 0 else "")
-    accepted = totals["verdicts"] - totals["rejected"]
+    excluded = totals.get("excluded", 0)
+    accepted = totals["verdicts"] - totals["rejected"] - excluded
     lines = [f"worker {data['worker']}, run {data['run_id']}",
              f"registered in round {data['registered_round']}{banned}",
              f"{totals['verdicts']} verdict(s): {accepted} accepted, {totals['rejected']} "
-             f"rejected; score {totals['score']:.1f}, reward {totals['reward']:.2f}, "
+             f"rejected, {excluded} excluded (paid); score {totals['score']:.1f}, "
+             f"reward {totals['reward']:.2f}, "
              f"forfeited {totals.get('forfeited', 0.0):.2f}", ""]
     subs = {x["round"]: x for x in data.get("submissions") or []}
     verdicts = {v["round"]: v for v in data.get("verdicts") or []}
@@ -131,6 +136,10 @@ def format_worker(data: dict[str, Any]) -> str:
         lines.append(f"{r:>5}  {cells}  {sub_cells}")
         if v:
             lines += _verdict_notes(v, "       ")
+    if data.get("admission") and data.get("bond"):
+        lines += ["", f"admission {_policy(data['admission'])}: {_bond_text(data['bond'])}"]
+        for x in data["bond"]["slashes"]:
+            lines.append(f"    round {x['round']}: slashed {x['amount']} units")
     penalties = data.get("penalties") or []
     if penalties:
         lines += ["", "penalties:"]
@@ -145,21 +154,29 @@ def format_report(report: dict[str, Any]) -> str:
     worker with each rejection's reason, the refusals at the door grouped, and validator
     faults."""
     lines = [f"run {report['run_id']} ({report['status']})", "",
-             "round  status     eval_loss  accepted  rejected  certified model  signers"]
+             "round  status     eval_loss  accepted  rejected  excluded  certified model  "
+             "signers"]
     for r in report["rounds"]:
         loss = f"{r['eval_loss']:.4f}" if r["eval_loss"] is not None else "-"
         signers = ",".join(str(i) for i in r.get("certified_by") or [])
         lines.append(f"{r['round']:>5}  {r['status']:<9}  {loss:>9}  {r['accepted']:>8}  "
-                     f"{r['rejected']:>8}  {(r.get('model_hash') or '-')[:15]:<15}  {signers}")
-    lines += ["", "worker        accepted  rejected  spot-checked     score    reward  forfeited"
-              "  banned"]
+                     f"{r['rejected']:>8}  {r.get('excluded', 0):>8}  "
+                     f"{(r.get('model_hash') or '-')[:15]:<15}  {signers}")
+    lines += ["", "worker        accepted  rejected  excluded  spot-checked     score    reward  "
+              "forfeited  banned"]
     for w in report["workers"]:
         banned = f"until r{w['banned_until_round']}" if w["banned_until_round"] >= 0 else ""
+        excluded = w.get("excluded", [])
         lines.append(f"{w['worker'][:12]}  {w['accepted']:>8}  {len(w['rejected']):>8}  "
+                     f"{len(excluded):>8}  "
                      f"{w['spot_checked']:>12}  {w['score']:>8.0f}  {w['reward']:>8.2f}  "
                      f"{w.get('forfeited', 0.0):>9.2f}  {banned}")
         for rej in w["rejected"]:
             lines.append(f"    round {rej['round']}: {rej['reason']} ({rej['detail']})")
+        for exc in excluded:  # a statistical filter's suspicion: left out, still paid
+            lines.append(f"    round {exc['round']}: excluded, paid: {exc['reason']} "
+                         f"({exc['detail']})")
+    lines += _bond_lines(report)
     if report["rejections"]:
         lines += ["", "refused at the ledger's door:"]
         grouped: dict[tuple[str, str], list[Any]] = {}
@@ -177,3 +194,37 @@ def format_report(report: dict[str, Any]) -> str:
                          f"{f['result_digest'][:12]}, certified {f['certified_digest'][:12]}")
     return "\n".join(lines)
 
+
+
+def _policy(admission: dict[str, Any]) -> str:
+    if admission.get("policy") != "bond":
+        return str(admission.get("policy"))
+    return (f"bond (min {admission.get('min_bond')} units, slash share "
+            f"{admission.get('slash_share', 0.5)}, unbonding "
+            f"{admission.get('unbonding_rounds', 2)} rounds)")
+
+
+def _bond_text(b: dict[str, Any]) -> str:
+    admitted = "admitted" if b["admitted"] else f"not admitted ({b.get('why_not')})"
+    pending = (f", {b['withdrawal_pending']} withdrawal pending"
+               if b.get("withdrawal_pending") else "")
+    return (f"bond {b['bond']} units (deposited {b['deposited']}, slashed {b['slashed']}, "
+            f"withdrawn {b['withdrawn']}{pending}); {admitted}")
+
+
+def _bond_lines(report: dict[str, Any]) -> list[str]:
+    """Each worker's bond, slashes and admission (runs with an admission policy only)."""
+    admission = report.get("admission")
+    if not admission:
+        return []
+    lines = ["", f"admission: {_policy(admission)}",
+             "worker           bond  deposited   slashed  withdrawn  admitted  slashes"]
+    for w in report["workers"]:
+        b = w.get("bond")
+        if b is None:
+            continue
+        slashes = ", ".join(f"r{x['round']}: -{x['amount']}" for x in b["slashes"])
+        lines.append(f"{w['worker'][:12]}  {b['bond']:>7}  {b['deposited']:>9}  "
+                     f"{b['slashed']:>8}  {b['withdrawn']:>9}  "
+                     f"{'yes' if b['admitted'] else 'no':<8}  {slashes}")
+    return lines

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from aiohttp import BodyPartReader, web
 from veritrain.protocol.errors import EncodingError, OversizedError, RejectedInput
 
-from .blobs import BlobStore
+from .blobs import BlobStore, StagedBlob
 
 T = TypeVar("T")
 
@@ -85,6 +85,15 @@ class BodyClock:
                 f"{self._clock() - self.started:.1f}s (at least "
                 f"{self.policy.min_bytes_per_s:.0f} B/s after {self.policy.grace_seconds:.0f}s, "
                 f"no pause over {self.policy.idle_seconds:.0f}s)") from None
+
+    async def paused(self, awaitable: Awaitable[T]) -> T:
+        """Await the ledger's own work between two reads (a verification): its time is
+        not held against the client's rate."""
+        began = self._clock()
+        try:
+            return await awaitable
+        finally:
+            self.started += self._clock() - began
 
     async def chunk(self, read: Callable[[int], Awaitable[bytes]]) -> bytes:
         data = await self.wait(read(CHUNK_BYTES))
@@ -147,6 +156,21 @@ async def stream_to_blob(blobs: BlobStore, read: Callable[[int], Awaitable[bytes
         while chunk := await clock.chunk(read):
             writer.write(chunk)
         return writer.commit(expected), writer.size
+    except BaseException:
+        writer.abort()
+        raise
+
+
+async def stream_to_staged(blobs: BlobStore, read: Callable[[int], Awaitable[bytes]],
+                           clock: BodyClock, limit: int, expected: str | None) -> StagedBlob:
+    """Stream a part into the temporary area (constant memory) and check its hash; the
+    file becomes visible only when the message naming it is accepted (BlobStore.publish),
+    and is deleted when the upload is cut short or does not match."""
+    writer = blobs.writer(limit)
+    try:
+        while chunk := await clock.chunk(read):
+            writer.write(chunk)
+        return writer.stage(expected)
     except BaseException:
         writer.abort()
         raise

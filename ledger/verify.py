@@ -52,6 +52,7 @@ from veritrain.protocol.beacon import beacon_root, shard_check_root
 from veritrain.protocol.certificates import CERTIFICATE
 from veritrain.protocol.encoding import decode_canonical
 from veritrain.protocol.errors import RejectedInput
+from veritrain.protocol.membership import MEMBERSHIP_MESSAGES
 from veritrain.protocol.messages import (
     BeaconShare,
     CertifiedState,
@@ -65,6 +66,7 @@ from veritrain.protocol.messages import (
     SecaggMasked,
     SecaggOpening,
     SecaggReveal,
+    SecaggView,
     ShardCheckShare,
     ShardFindingReport,
     ShardPublication,
@@ -100,8 +102,10 @@ ALWAYS_OPENED = {"run_spec": RunSpec, "beacon_share": BeaconShare,
                  "shard_check_share": ShardCheckShare, "shard_finding": ShardFindingReport,
                  "secagg_keys": SecaggKeys, "secagg_deal": SecaggDeal,
                  "secagg_masked_input": SecaggMasked, "secagg_reveal": SecaggReveal,
-                 "secagg_opening": SecaggOpening, "spot_reveal": SpotReveal,
-                 "reveal_receipt": RevealReceipt}
+                 "secagg_opening": SecaggOpening, "secagg_view": SecaggView,
+                 "spot_reveal": SpotReveal,
+                 "reveal_receipt": RevealReceipt,
+                 **MEMBERSHIP_MESSAGES}
 #: Fields of a verdict row served by the API that must equal the certified result.
 VIEW_FIELDS = ("status", "reason", "detail", "spot_checked", "distance", "samples", "quality",
                "score", "reward")
@@ -369,7 +373,7 @@ class Totals:
     entry (columns of numbers travel as arrays when every entry is a float, or an int)."""
 
     workers: list[Any]
-    accepted: bytes  # 1 where the verdict's status is "accepted"
+    accepted: bytes  # 1 where the verdict's status is "accepted", 2 "excluded", else 0
     samples: Sequence[Any]
     scores: Sequence[Any]
     rewards: Sequence[Any]
@@ -377,7 +381,7 @@ class Totals:
     @classmethod
     def of(cls, views: list[dict[str, Any]]) -> Totals:
         return cls([row["worker"] for row in views],
-                   bytes(row["status"] == "accepted" for row in views),
+                   bytes(_STATUS_CODE.get(row["status"], 0) for row in views),
                    _compact([row["samples"] for row in views]),
                    _compact([row["score"] for row in views]),
                    _compact([row["reward"] for row in views]))
@@ -385,6 +389,11 @@ class Totals:
     def rows(self) -> Iterator[tuple[Any, int, Any, Any, Any]]:
         return zip(self.workers, self.accepted, self.samples, self.scores, self.rewards,
                    strict=True)
+
+
+#: ``Totals.accepted``: an excluded verdict (a statistical filter's suspicion) is verified
+#: work, paid, and counted apart from both accepted and rejected.
+_STATUS_CODE = {"accepted": 1, "excluded": 2}
 
 
 def _compact(values: list[Any]) -> Sequence[Any]:
@@ -801,7 +810,7 @@ class _Pass:
     def _add_certified(self, rnd: RoundState) -> None:
         """A finalized round's certified result: counted, and added to the per-worker sums
         (the views are compared after the pass): [rounds, accepted, rejected, samples,
-        score, reward], made dicts by totals()."""
+        score, reward, excluded], made dicts by totals()."""
         res = rnd.certified
         assert res is not None
         self.out.covered_by_certificates += len(rnd.closed or [])
@@ -812,10 +821,13 @@ class _Pass:
         for worker, accepted, samples, score, reward in totals.rows():
             tot = sums.get(worker)
             if tot is None:
-                tot = sums[worker] = [0, 0, 0, 0, 0.0, 0.0]
+                tot = sums[worker] = [0, 0, 0, 0, 0.0, 0.0, 0]
             tot[0] += 1
-            if accepted:
+            if accepted == 1:
                 tot[1] += 1
+                tot[3] += samples
+            elif accepted == 2:
+                tot[6] += 1
                 tot[3] += samples
             else:
                 tot[2] += 1
@@ -824,7 +836,7 @@ class _Pass:
             tot[5] += reward
 
     def totals(self) -> dict[str, dict[str, float]]:
-        keys = ("rounds", "accepted", "rejected", "samples", "score", "reward")
+        keys = ("rounds", "accepted", "rejected", "samples", "score", "reward", "excluded")
         return {w: dict(zip(keys, tot, strict=True)) for w, tot in self._sums.items()}
 
     # -- after the pass

@@ -98,8 +98,13 @@ def compute_beacon_seed(shares_in_index_order: Sequence[bytes]) -> bytes:
 
 
 def beacon_seed_of(fixed: bytes | dict) -> str:
-    """Hex seed of a fixed beacon ``{"signers": [...], "shares": [hex, ...]}`` (index order)."""
+    """Hex seed of a fixed beacon ``{"signers": [...], "shares": [hex, ...]}`` (index order),
+    or of a threshold beacon ``{"signature": hex, "signers": [...]}`` (specs/protocol.md
+    5.4a: ``sha256("veritrain/v1/threshold-beacon-seed" || sigma)``; unchecked here)."""
     beacon = json.loads(fixed) if isinstance(fixed, bytes) else fixed
+    if "signature" in beacon:
+        return hashlib.sha256(b"veritrain/v1/threshold-beacon-seed"
+                              + bytes.fromhex(beacon["signature"])).hexdigest()
     return compute_beacon_seed([bytes.fromhex(x) for x in beacon["shares"]]).hex()
 
 

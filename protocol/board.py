@@ -25,9 +25,15 @@ valid alternatives (which quorum, which survivors). The rule every node follows
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import json
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
+from . import bls
+from .beacon import compute_beacon_seed
 from .errors import RejectedInput
 from .messages import Message, Signed, open_signed
 
@@ -98,3 +104,91 @@ class SignedOnce:
 
     def signed(self, kind: str, run_id: str, round_index: int) -> str | None:
         return self.state.get(self.key(kind, run_id, round_index))
+
+    @classmethod
+    def in_file(cls, path: Path | None) -> SignedOnce:
+        """A ``SignedOnce`` kept in the JSON file ``path`` (read now, rewritten atomically
+        before each new signature leaves the node); in memory only when ``path`` is None."""
+        if path is None:
+            return cls()
+        state = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(state, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in state.items()):
+            raise ValueError(f"{path} does not hold a signed-once state")
+
+        def save(new: dict[str, str]) -> None:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(new, sort_keys=True))
+            os.replace(tmp, path)
+
+        return cls(state, save)
+
+
+def members_posts(wires: Any, cls: type[M], *, member_field: str, members: Sequence[str],
+                  run_id: str, round_index: int, faults: list[str] | None = None,
+                  **bound: Any) -> dict[int, list[Signed[M]]]:
+    """The posts of ``wires`` that pass :func:`open_member_post`, by the index in
+    ``members`` of the member each names, distinct posts in served order (two of one member
+    are that member's own doing: the caller picks the one a list names). What does not
+    check out is skipped, its reason appended to ``faults`` (rule 5)."""
+    index = {key: k for k, key in enumerate(members)}
+    out: dict[int, list[Signed[M]]] = {}
+    for wire in wires if isinstance(wires, list | tuple) else ():
+        try:
+            signed = open_member_post(wire, cls, member_field=member_field, members=index,
+                                      run_id=run_id, round_index=round_index, **bound)
+        except BoardFault as exc:
+            if faults is not None:
+                faults.append(str(exc))
+            continue
+        held = out.setdefault(index[getattr(signed.message, member_field)], [])
+        if all(p.digest != signed.digest for p in held):
+            held.append(signed)
+    return out
+
+
+def quorum_seed(fixed: Any, posts: Mapping[int, Sequence[Signed[Any]]], *, bls_keys: Sequence[str],
+                quorum: int, root: bytes, share_field: str = "share") -> bytes:
+    """The seed of a fixed quorum ``{"signers": [...], "shares": [hex, ...]}`` after rule 2:
+    ``signers`` exactly ``quorum`` distinct member indices in ascending order, each with its
+    own post in ``posts`` (already opened and bound, e.g. by :func:`members_posts` with the
+    list the shares sign as a bound field) carrying that share, and every share a valid BLS
+    signature of ``root`` by that member's key in ``bls_keys``. Returns
+    ``compute_beacon_seed`` of the shares in signer order; :class:`BoardFault` otherwise.
+    Costs a pairing check per share (cached per process for inputs already verified)."""
+    signers = fixed.get("signers") if isinstance(fixed, dict) else None
+    shares = fixed.get("shares") if isinstance(fixed, dict) else None
+    if (not isinstance(signers, list) or not isinstance(shares, list)
+            or any(type(k) is not int or not 0 <= k < len(bls_keys) for k in signers)
+            or any(not isinstance(x, str) for x in shares)
+            or len(signers) != len(shares) or len(signers) != quorum
+            or signers != sorted(set(signers))):
+        raise BoardFault("the fixed quorum's signers are not a quorum of the members")
+    for k, share in zip(signers, shares, strict=True):
+        if all(getattr(p.message, share_field) != share for p in posts.get(k, ())):
+            raise BoardFault(f"member {k}'s share is not in a signed post of its own over "
+                             "this list")
+    key = (root, tuple(signers), tuple(shares), tuple(bls_keys[k] for k in signers))
+    with _QUORUM_LOCK:
+        if (seed := _QUORUMS.get(key)) is not None:
+            return seed
+        raw = []
+        for k, share in zip(signers, shares, strict=True):
+            try:
+                sig = bytes.fromhex(share)
+                valid = bls.verify(bytes.fromhex(bls_keys[k]), root, sig)
+            except ValueError:
+                valid = False
+            if not valid:
+                raise BoardFault(f"member {k}'s share does not verify")
+            raw.append(sig)
+        if len(_QUORUMS) >= 1024:
+            _QUORUMS.clear()
+        seed = _QUORUMS[key] = compute_beacon_seed(raw)
+        return seed
+
+
+#: Quorums already verified in this process (nodes sharing one process, as in tests and
+#: simulations, pay the pairings once): the inputs that passed -> their seed.
+_QUORUMS: dict[tuple, bytes] = {}
+_QUORUM_LOCK = threading.Lock()

@@ -43,11 +43,17 @@ class Message:
 
     KIND: ClassVar[str]
     SCHEMA: ClassVar[dict[str, f.Checker]]
+    #: Fields added after a kind's first release: absent in a body signed before them
+    #: (None here), and then left out of the re-encoded body so its signature still holds.
+    ABSENT_OK: ClassVar[frozenset[str]] = frozenset()
 
     run_id: str
     round: int
 
     def to_body(self) -> dict[str, Any]:
+        if self.ABSENT_OK:
+            return {name: getattr(self, name) for name in _field_names(type(self))
+                    if name not in self.ABSENT_OK or getattr(self, name) is not None}
         return {name: getattr(self, name) for name in _field_names(type(self))}
 
     def body_bytes(self) -> bytes:
@@ -58,7 +64,7 @@ class Message:
 
     @classmethod
     def from_body(cls, body: Any) -> Any:
-        checked = f.record(cls.SCHEMA)(body, cls.KIND)
+        checked = f.record(cls.SCHEMA, absent_ok=cls.ABSENT_OK)(body, cls.KIND)
         return cls(**checked)
 
 
@@ -173,12 +179,14 @@ VERIFICATION = f.record(
         "opened_chunks": f.integer(1, 1 << 20),
         "binding_chunks": f.integer(0, 1 << 20),
         "recompute_threads": f.integer(1, 256),
+        "beacon": f.one_of("shares", "threshold"),
     },
     # Added with the probe filter: specs signed before it have no probe (both 0); added
     # with chunked commitments: the chunks a check opens (16 when absent); the CPU threads
     # a validator recomputes with (1 when absent).
+    # ``beacon`` (threshold beacon from a DKG, specs/protocol.md 5.4a): "shares" when absent.
     absent_ok=frozenset({"probe_examples", "probe_factor", "opened_chunks", "binding_chunks",
-                         "recompute_threads"}),
+                         "recompute_threads", "beacon"}),
 )
 #: Largest bucket a run may ask for (buckets hold ``bucket_size`` to ``2 bucket_size - 1``).
 MAX_BUCKET_SIZE = 64
@@ -195,6 +203,23 @@ AGGREGATOR = f.record(
 )
 LIMITS = f.record({"max_payload_bytes": f.integer(1, 1 << 34)})
 REWARDS = f.record({"per_round": f.number(0.0, 1e18)})
+#: Admission policies (specs/protocol.md 4.1a; rules in protocol/membership.py).
+ADMISSION_POLICIES = ("open", "allowlist", "bond")
+MAX_UNITS = 1 << 62
+#: ``RunSpec.admission``: every key but ``policy`` may be absent (protocol/membership.py
+#: resolves the defaults); a spec without ``admission`` is ``open``.
+ADMISSION = f.record(
+    {
+        "policy": f.one_of(*ADMISSION_POLICIES),
+        "issuers": f.list_of(f.PUBKEY, 64),
+        "treasury": f.PUBKEY,
+        "min_bond": f.integer(0, MAX_UNITS),
+        "slash_share": f.number(0.0, 1.0),
+        "unbonding_rounds": f.integer(0, MAX_ROUND),
+    },
+    absent_ok=frozenset({"issuers", "treasury", "min_bond", "slash_share",
+                         "unbonding_rounds"}),
+)
 
 
 @dataclass(frozen=True)
@@ -222,7 +247,11 @@ class RunSpec(Message):
     rewards: dict[str, Any]
     validators: list[dict[str, str]]
     quorum: int
+    #: Who may register as a worker (protocol/membership.py); None: ``open``, and left
+    #: out of the body (specs signed before admission policies existed).
+    admission: dict[str, Any] | None = None
 
+    ABSENT_OK: ClassVar[frozenset[str]] = frozenset({"admission"})
     SCHEMA: ClassVar[dict[str, f.Checker]] = {
         "run_id": f.string(64, RUN_ID_PATTERN),
         "round": f.integer(0, 0),
@@ -244,6 +273,7 @@ class RunSpec(Message):
         "rewards": REWARDS,
         "validators": f.list_of(VALIDATOR_INFO, 256),
         "quorum": f.integer(1, 256),
+        "admission": ADMISSION,
     }
 
     @property
@@ -257,6 +287,13 @@ class RunSpec(Message):
         """``(probe_examples, probe_factor)``; ``(0, 0.0)`` (no probe filter) when absent."""
         v = self.verification
         return int(v.get("probe_examples", 0)), float(v.get("probe_factor", 0.0))
+
+    @property
+    def threshold_beacon(self) -> bool:
+        """Whether the round beacon is a threshold BLS signature under a DKG group key
+        (``verification.beacon == "threshold"``, specs/protocol.md 5.4a); otherwise the
+        quorum-of-shares beacon of 5.4 ("shares", the default for specs without it)."""
+        return self.verification.get("beacon", "shares") == "threshold"
 
     @property
     def shards(self) -> int:
@@ -460,7 +497,9 @@ class RevealReceipt(Message):
 
 # --------------------------------------------------------------------------- round result
 
-VERDICT_STATUS = ("accepted", "rejected")
+#: ``excluded``: kept out of the aggregate by a statistical filter (``FILTER_REASONS`` in
+#: protocol/rules.py) and still paid (specs/scoring.md); ``rejected``: not admissible work.
+VERDICT_STATUS = ("accepted", "rejected", "excluded")
 CHECK_KINDS = ("step", "binding")
 SEGMENT_CHECK = f.record(
     {
@@ -698,6 +737,7 @@ SEALED_SHARES_BYTES = 2 * (33 + 32) + 16
 SHARE_ITEM = f.record({"dealer": f.PUBKEY, "share": f.hex_bytes(33), "salt": f.HASH})
 SEALED_ITEM = f.record({"holder": f.PUBKEY, "ciphertext": f.hex_bytes(SEALED_SHARES_BYTES)})
 MAX_BUCKET_MEMBERS = 2 * MAX_BUCKET_SIZE
+VIEW_SIGNATURE = f.record({"worker": f.PUBKEY, "signature": f.SIGNATURE})
 
 
 @dataclass(frozen=True)
@@ -769,6 +809,7 @@ class SecaggMasked(Message):
     input_digest: str
     words_hash: str
     words_bytes: int
+    dealers_digest: str  # protocol/secagg.py view_digest of the members and dealers it masked over
 
     SCHEMA: ClassVar[dict[str, f.Checker]] = {
         "run_id": f.string(64, RUN_ID_PATTERN),
@@ -779,6 +820,7 @@ class SecaggMasked(Message):
         "input_digest": f.HASH,
         "words_hash": f.HASH,
         "words_bytes": f.integer(4, 1 << 40),
+        "dealers_digest": f.HASH,
     }
 
 
@@ -795,6 +837,9 @@ class SecaggReveal(Message):
     survivors: list[str]
     seed_shares: list[dict[str, str]]
     key_shares: list[dict[str, str]]
+    members: list[str]
+    dealers: list[str]
+    view_signatures: list[dict[str, str]]  # the SecaggView signatures it revealed on
 
     SCHEMA: ClassVar[dict[str, f.Checker]] = {
         "run_id": f.string(64, RUN_ID_PATTERN),
@@ -804,6 +849,35 @@ class SecaggReveal(Message):
         "survivors": f.list_of(f.PUBKEY, MAX_BUCKET_MEMBERS),
         "seed_shares": f.list_of(SHARE_ITEM, MAX_BUCKET_MEMBERS),
         "key_shares": f.list_of(SHARE_ITEM, MAX_BUCKET_MEMBERS),
+        "members": f.list_of(f.PUBKEY, MAX_BUCKET_MEMBERS),
+        "dealers": f.list_of(f.PUBKEY, MAX_BUCKET_MEMBERS),
+        "view_signatures": f.list_of(VIEW_SIGNATURE, MAX_BUCKET_MEMBERS),
+    }
+
+
+@dataclass(frozen=True)
+class SecaggView(Message):
+    """A survivor's signature on the bucket view it acted on (spec E.2, consistency round):
+    the members, the dealers it masked over and the survivors. A member reveals shares
+    only once k members signed exactly its own view."""
+
+    KIND: ClassVar[str] = "secagg_view"
+    run_id: str
+    round: int
+    bucket: int
+    worker: str
+    members: list[str]
+    dealers: list[str]
+    survivors: list[str]
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, MAX_ROUND),
+        "bucket": f.integer(0, MAX_WORKERS_PER_ROUND),
+        "worker": f.PUBKEY,
+        "members": f.list_of(f.PUBKEY, MAX_BUCKET_MEMBERS),
+        "dealers": f.list_of(f.PUBKEY, MAX_BUCKET_MEMBERS),
+        "survivors": f.list_of(f.PUBKEY, MAX_BUCKET_MEMBERS),
     }
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .identity import Identity, PublicIdentity
+from .membership import admission_problem_of_spec
 from .messages import RunSpec, Signed, sign
 from .tasks import TASK_PRESETS, load_task
 from .tensors import encode_flat, flatten_params, numel_of, param_shapes, sha256_hex
@@ -72,8 +73,11 @@ def build_run(
         rewards=settings["rewards"],
         validators=[v.to_json() for v in validators],
         quorum=quorum if quorum is not None else -(-2 * n // 3),  # ceil(2n/3)
+        admission=settings.get("admission"),  # absent: open (protocol/membership.py)
     )
     RunSpec.from_body(spec.to_body())
+    if (problem := admission_problem_of_spec(spec.admission)) is not None:
+        raise ValueError(problem)
     if (problem := spec.sharding_problem() or spec.masking_problem()) is not None:
         raise ValueError(problem)
     return RunBundle(sign(organiser, spec), dataset, genesis)

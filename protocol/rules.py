@@ -39,6 +39,18 @@ REJECTION_REASONS = (
 #: that never came (a worker holding the ledger's receipt for it can show the ledger hid it).
 PENALIZED_REASONS = frozenset({"spot_check_failed", "missing_reveal"})
 
+#: Statistical filters: suspicion, not proof. An update they flag is kept out of the
+#: aggregate with verdict status ``excluded`` (not ``rejected``), and the worker is paid as
+#: if it had been aggregated (specs/scoring.md, "Excluded updates"; specs/protocol.md 8).
+FILTER_REASONS = frozenset({"norm_outlier", "loss_regression"})
+
+
+def verdict_status(reason: str) -> str:
+    """``accepted`` for no reason, ``excluded`` for a statistical filter, else ``rejected``."""
+    if not reason:
+        return "accepted"
+    return "excluded" if reason in FILTER_REASONS else "rejected"
+
 
 @dataclass(frozen=True)
 class SubmissionContext:

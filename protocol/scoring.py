@@ -6,8 +6,11 @@
     score_i   = work_i * quality_i
     reward_i  = R * score_i / sum_j score_j        (R: the run's reward per round)
 
-A rejected, free-riding or banned worker scores 0 and earns nothing. Pure
-functions: no torch, no database.
+A rejected, free-riding or banned worker scores 0 and earns nothing. An update a
+statistical filter excluded (status ``excluded``, protocol/rules.py
+``FILTER_REASONS``) is suspicion, not proof: its work counts and its quality is
+the same clip factor at the round's tau and aggregate, as if it had been
+aggregated. Pure functions: no torch, no database.
 """
 
 from __future__ import annotations

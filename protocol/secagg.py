@@ -1,11 +1,13 @@
 """Masked-bucket rounds: the rules every party applies alike (specs/secure-averaging.md E.2).
 
 Once a round's beacon is fixed, the sealed submitters are dealt into buckets
-(:func:`round_buckets`), and each bucket runs four phases on the ledger's
+(:func:`round_buckets`), and each bucket runs five phases on the ledger's
 board: ``keys`` (every member advertises fresh X25519 keys), ``deal`` (the
 advertisers share their secrets among each other), ``masked`` (the dealers
-post masked inputs; who did is the survivor set U) and ``reveal`` (the
-survivors reveal the shares that unmask the bucket's sum, and nothing else).
+post masked inputs; who did is the survivor set U), ``view`` (each survivor signs
+the members, dealers and survivors it acted on: Bonawitz et al.'s consistency
+round) and ``reveal`` (the signers reveal the shares that unmask the bucket's sum,
+and nothing else, once k members signed exactly their view).
 
 :func:`phase_schedule` is the one clock of those phases. A phase closes as
 soon as everyone it expects has posted, or at its deadline
@@ -21,10 +23,20 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .errors import RejectedInput
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
-PHASES = ("keys", "deal", "masked", "reveal")
+from .encoding import encode_canonical
+from .errors import RejectedInput
+from .messages import SecaggReveal, SecaggView
+from .signing import verify_ed25519
+
+PHASES = ("keys", "deal", "masked", "view", "reveal")
 _BUCKET_DOMAIN = b"veritrain/v1/secure/bucket"
+_VIEW_DOMAIN = b"veritrain/v1/secure/bucket-view"
+#: A fixed X25519 scalar: any public key that gives an all-zero secret with it is of low
+#: order (clamped scalars are multiples of the cofactor), so it gives one with every key.
+_PROBE_KEY = X25519PrivateKey.from_private_bytes(hashlib.sha256(b"veritrain/v1/x25519-probe")
+                                                 .digest())
 
 
 def bucket_rank(seed: bytes, worker: bytes) -> bytes:
@@ -67,9 +79,60 @@ def check_dealt(seed: bytes, sealed_workers: Sequence[str], size: int,
                             "submitters", "invalid_board")
 
 
-def bucket_dropouts(max_dropouts: int, members: int) -> int:
-    """t for a bucket of ``members`` advertisers: the run's t, capped so k = s - t > s / 2."""
-    return min(max_dropouts, (members + 1) // 2 - 1)
+def bucket_dropouts(max_dropouts: int, assigned: int) -> int:
+    """t for a bucket dealt ``assigned`` workers: the run's t capped at floor((a - 1) / 3),
+    so k = a - t > 2a / 3 (spec E.2): two views each signed by k members share at least
+    2k - a = a - 2t > a / 3 signers, which only colluding members would be."""
+    return max(0, min(max_dropouts, (assigned - 1) // 3))
+
+
+def bucket_threshold(max_dropouts: int, assigned: int) -> int:
+    """k for a bucket dealt ``assigned`` workers: the least number of members, dealers,
+    survivors and view signers it needs. It follows from the beacon's deal alone, so a
+    ledger that hides members from one worker cannot lower it."""
+    return assigned - bucket_dropouts(max_dropouts, assigned)
+
+
+def view_digest(run_id: str, r: int, bucket: int, members: Sequence[str],
+                dealers: Sequence[str], survivors: Sequence[str] | None = None) -> str:
+    """The digest of a bucket view: members and dealers (what a masked input was masked
+    over) and, once fixed, the survivors (what a reveal unmasks)."""
+    body: dict[str, object] = {"run_id": run_id, "round": r, "bucket": bucket,
+                               "members": list(members), "dealers": list(dealers)}
+    if survivors is not None:
+        body["survivors"] = list(survivors)
+    return hashlib.sha256(_VIEW_DOMAIN + encode_canonical(body)).hexdigest()
+
+
+def usable_x25519(public_hex: str) -> bool:
+    """Whether an advertised X25519 key agrees a secret at all (not a low-order point such
+    as all zeros, with which every exchange fails and the whole bucket would stall)."""
+    try:
+        _PROBE_KEY.exchange(X25519PublicKey.from_public_bytes(bytes.fromhex(public_hex)))
+        return True
+    except ValueError:
+        return False
+
+
+def view_of(msg: SecaggView | SecaggReveal, worker: str) -> SecaggView:
+    """The SecaggView that ``worker`` signed, in the lists a view or a reveal names."""
+    return SecaggView(run_id=msg.run_id, round=msg.round, bucket=msg.bucket, worker=worker,
+                      members=list(msg.members), dealers=list(msg.dealers),
+                      survivors=list(msg.survivors))
+
+
+def view_signers(msg: SecaggReveal) -> set[str]:
+    """The survivors whose signatures in ``msg.view_signatures`` verify on the reveal's
+    view (each once); the rest are ignored."""
+    good: set[str] = set()
+    for item in msg.view_signatures:
+        worker = item["worker"]
+        if worker in good or worker not in msg.survivors:
+            continue
+        if verify_ed25519(bytes.fromhex(worker), view_of(msg, worker).signing_root(),
+                          bytes.fromhex(item["signature"])):
+            good.add(worker)
+    return good
 
 
 @dataclass(frozen=True)
@@ -97,7 +160,8 @@ class BucketState:
     members: tuple[str, ...] | None  # the advertisers, once ``keys`` closed
     dealers: tuple[str, ...] | None  # once ``deal`` closed
     survivors: tuple[str, ...] | None  # once ``masked`` closed
-    live: bool  # False once it can no longer finish (too few members, dealers or survivors)
+    live: bool  # False once it can no longer finish (fewer than k members, dealers, ...)
+    signers: tuple[str, ...] | None = None  # the survivors that signed the view, once closed
 
 
 #: received[phase][sender] = (bucket, receipt time)
@@ -120,11 +184,11 @@ def phase_schedule(start: float, seconds: float, buckets: Sequence[Sequence[str]
                    ) -> tuple[list[Phase], list[BucketState]]:
     """The phases opened so far and every bucket's state (see the module docstring).
 
-    Expected senders: ``keys`` every assigned member; ``deal`` the advertisers of
-    buckets with at least two; ``masked`` the dealers of buckets with at least
-    two; ``reveal`` the survivors of buckets where U reaches the threshold
-    k = s - t (fewer survivors would expose their sum to too few masks, so such a
-    bucket is dropped and nobody reveals for it).
+    Expected senders, in live buckets only: ``keys`` every assigned member; ``deal`` the
+    advertisers; ``masked`` the dealers; ``view`` the survivors U; ``reveal`` the
+    survivors that signed the view. A bucket lives while each of these sets reaches the
+    threshold k of :func:`bucket_threshold` (fewer survivors would expose their sum to
+    too few masks, so such a bucket is dropped and nobody reveals for it).
     """
     phases: list[Phase] = []
     states = [BucketState(b, tuple(m), None, None, None, True) for b, m in enumerate(buckets)]
@@ -143,30 +207,38 @@ def phase_schedule(start: float, seconds: float, buckets: Sequence[Sequence[str]
             elif name == "masked":
                 assert st.dealers is not None
                 expected.update(st.dealers)
-            else:
+            elif name == "view":
                 assert st.survivors is not None
                 expected.update(st.survivors)
+            else:
+                assert st.signers is not None
+                expected.update(st.signers)
         phase = _close(opened, seconds, frozenset(expected), got, now, name)
         phases.append(phase)
         if phase.closed_at is None:
             break
         new_states = []
         for st in states:
+            k = bucket_threshold(max_dropouts, len(st.assigned))
             if name == "keys":
                 members = tuple(w for w in st.assigned if w in got)
                 st = BucketState(st.index, st.assigned, members, None, None,
-                                 st.live and len(members) >= 2)
+                                 st.live and len(members) >= max(2, k))
             elif name == "deal":
                 assert st.members is not None
                 dealers = tuple(w for w in st.members if w in got)
                 st = BucketState(st.index, st.assigned, st.members, dealers, None,
-                                 st.live and len(dealers) >= 2)
+                                 st.live and len(dealers) >= max(2, k))
             elif name == "masked":
-                assert st.members is not None and st.dealers is not None
+                assert st.dealers is not None
                 survivors = tuple(w for w in st.dealers if w in got)
-                k = len(st.members) - bucket_dropouts(max_dropouts, len(st.members))
                 st = BucketState(st.index, st.assigned, st.members, st.dealers, survivors,
                                  st.live and len(survivors) >= k)
+            elif name == "view":
+                assert st.survivors is not None
+                signers = tuple(w for w in st.survivors if w in got)
+                st = BucketState(st.index, st.assigned, st.members, st.dealers, st.survivors,
+                                 st.live and len(signers) >= k, signers)
             new_states.append(st)
         states = new_states
         opened = phase.closed_at

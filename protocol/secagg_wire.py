@@ -12,23 +12,35 @@ from veritrain.aggregation.secure import (
     BucketContext,
     KeyAdvertisement,
     SealedShares,
+    SecureAggregationError,
     Share,
     ShareCommitments,
     ShareReveal,
     WorkerSecrets,
 )
 
-from .messages import RunSpec, SecaggDeal, SecaggKeys, SecaggReveal
-from .secagg import bucket_dropouts
+from .messages import RunSpec, SecaggDeal, SecaggKeys, SecaggReveal, SecaggView
+from .secagg import bucket_threshold
 
 
-def bucket_context(spec: RunSpec, r: int, index: int, members: list[str]) -> BucketContext:
-    """The BucketContext of a bucket whose advertisers are ``members`` (hex, ascending)."""
+def bucket_context(spec: RunSpec, r: int, index: int, members: list[str],
+                   assigned: int) -> BucketContext:
+    """The BucketContext of a bucket dealt ``assigned`` workers whose advertisers are
+    ``members`` (hex, ascending, at least k of them): Shamir threshold k of
+    :func:`bucket_threshold` over the assigned count, whoever advertised."""
     masked = spec.masked
     assert masked is not None
+    k = bucket_threshold(masked["max_dropouts"], assigned)
+    if len(members) < k:
+        raise SecureAggregationError(f"{len(members)} members, fewer than the bucket's k = {k}")
     return BucketContext(spec.run_id, r, index, tuple(bytes.fromhex(w) for w in members),
-                         bucket_dropouts(masked["max_dropouts"], len(members)),
-                         spec.num_params, float(masked["clip_norm"]))
+                         len(members) - k, spec.num_params, float(masked["clip_norm"]))
+
+
+def view_message(spec: RunSpec, r: int, bucket: int, worker: str, members: list[str],
+                 dealers: list[str], survivors: list[str]) -> SecaggView:
+    return SecaggView(run_id=spec.run_id, round=r, bucket=bucket, worker=worker,
+                      members=list(members), dealers=list(dealers), survivors=list(survivors))
 
 
 def advert_of(msg: SecaggKeys) -> KeyAdvertisement:
@@ -80,12 +92,15 @@ def deal_message(spec: RunSpec, ctx: BucketContext, commitments: ShareCommitment
 
 
 def reveal_message(spec: RunSpec, ctx: BucketContext, reveal: ShareReveal,
-                   survivors: list[str]) -> SecaggReveal:
+                   view: SecaggView, signatures: list[dict[str, str]]) -> SecaggReveal:
+    """A reveal for the signed ``view``, carrying the ``signatures`` it relied on."""
     def items(rows: tuple[tuple[bytes, Share, bytes], ...]) -> list[dict[str, str]]:
         return [{"dealer": d.hex(), "share": sh.value_bytes().hex(), "salt": salt.hex()}
                 for d, sh, salt in rows]
 
     return SecaggReveal(run_id=spec.run_id, round=ctx.round_index, bucket=ctx.bucket,
-                        holder=reveal.holder.hex(), survivors=list(survivors),
-                        seed_shares=items(reveal.seed_shares), key_shares=items(reveal.key_shares))
+                        holder=reveal.holder.hex(), survivors=list(view.survivors),
+                        seed_shares=items(reveal.seed_shares), key_shares=items(reveal.key_shares),
+                        members=list(view.members), dealers=list(view.dealers),
+                        view_signatures=list(signatures))
 

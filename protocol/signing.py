@@ -38,9 +38,25 @@ DOMAINS = (
     "secagg_deal",
     "secagg_masked_input",
     "secagg_reveal",
+    "secagg_view",
     "secagg_opening",
     "spot_reveal",
     "reveal_receipt",
+    # Threshold beacon (specs/protocol.md 5.4a): the DKG's board posts, the partial
+    # signatures' envelopes and the BLS message they sign.
+    "dkg_keys",
+    "dkg_deal",
+    "dkg_complaint",
+    "dkg_justification",
+    "dkg_result",
+    "beacon_partial",
+    "threshold_beacon",
+    # Admission (specs/protocol.md 4.2a, protocol/membership.py): tickets and their
+    # revocations by the organiser's issuers, bond deposits by the treasury, withdrawals.
+    "admission_ticket",
+    "admission_revocation",
+    "bond_deposit",
+    "bond_withdrawal",
 )
 
 

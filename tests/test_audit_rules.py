@@ -575,7 +575,7 @@ def keys(worker: str, bucket: int) -> SecaggKeys:
 def masked(worker: str, bucket: int) -> SecaggMasked:
     return SecaggMasked(run_id=RUN, round=0, bucket=bucket, worker=worker,
                         commitment="00" * 32, input_digest="00" * 32, words_hash="00" * 32,
-                        words_bytes=4)
+                        words_bytes=4, dealers_digest="00" * 32)
 
 
 def opening(worker: str, bucket: int) -> SecaggOpening:

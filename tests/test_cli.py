@@ -27,7 +27,7 @@ def veritrain(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("command", [
     ["keygen"], ["run", "create"], ["ledger", "serve"], ["ledger", "prune"], ["worker"],
-    ["validator"], ["audit"], ["demo"],
+    ["validator"], ["audit"], ["demo"], ["admit"], ["bond", "deposit"], ["bond", "withdraw"],
 ])
 def test_every_subcommand_has_help(command, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -209,6 +209,10 @@ def test_invalid_malformed_export_is_one_line(tmp_path, saved_export, damage, ex
     (["--run-id", "Bad_Id"], "cannot build run 'Bad_Id': run_spec.run_id"),
     (["--run-id", "good-id", "--task-params", "{bad"], "--task-params must be JSON"),
     (["--run-id", "good-id", "--validator", "MISSING"], "cannot read validator identity"),
+    (["--run-id", "good-id", "--admission", "bond"], "--admission bond needs --min-bond"),
+    (["--run-id", "good-id", "--min-bond", "5"], "--min-bond: only with --admission"),
+    (["--run-id", "good-id", "--admission", "allowlist", "--treasury", "zz"],
+     "--treasury: only with --admission bond"),
 ])
 def test_invalid_run_create_inputs_are_one_line(tmp_path, extra, expected):
     org, val = tmp_path / "org.key", tmp_path / "v.key"

@@ -282,3 +282,96 @@ def test_masked_run_end_to_end_unmasks_buckets_through_a_dropout(tmp_path: Path)
     assert blob_status and set(blob_status.values()) == {404}, blob_status
     assert audit.ok, audit.problem
     assert audit.certificates == 2
+
+
+def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "veritrain.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=child_env())
+
+
+def test_bond_run_end_to_end_refuses_unbonded_keys_and_slashes_a_cheater(tmp_path: Path):
+    """A ``bond`` run driven by the CLI over HTTP: the treasury's deposits admit three
+    workers; an unbonded key is refused with ``not_admitted`` and nothing stored; the sign
+    flipper is caught, slashed (the report shows the slash and the reduced bond), and the
+    same party's replacement key is refused; the audit of the chain passes."""
+    keys = {}
+    for name, role in [("organiser", "organiser"), ("validator", "validator"),
+                       ("honest-0", "worker"), ("honest-1", "worker"), ("sign_flip", "worker"),
+                       ("unbonded", "worker"), ("replacement", "worker")]:
+        ident = Identity.generate(role)
+        write_key_file(tmp_path / f"{name}.key", ident)
+        (tmp_path / f"{name}.key.pub.json").write_text(json.dumps(
+            {"role": role, **ident.public.to_json()}))
+        keys[name] = ident
+    hexkey = {name: ident.public_key.hex() for name, ident in keys.items()}
+    run_id = "bond-e2e"
+    procs = LocalProcesses(tmp_path / "logs")
+    try:
+        url = procs.start_ledger(tmp_path / "ledger")
+        created = _cli("run", "create", "--ledger", url, "--key", str(tmp_path / "organiser.key"),
+                       "--run-id", run_id, "--preset", "tiny", "--rounds", str(ROUNDS),
+                       "--min-submissions", "2", "--validator",
+                       str(tmp_path / "validator.key.pub.json"), "--admission", "bond",
+                       "--min-bond", "10", "--slash-share", "0.5")
+        assert created.returncode == 0, created.stderr
+        # Only the treasury's deposits count: a worker paying itself is refused, one line.
+        self_paid = _cli("bond", "deposit", "--ledger", url, "--run", run_id, "--key",
+                         str(tmp_path / "unbonded.key"), "--worker", hexkey["unbonded"],
+                         "--amount", "50")
+        assert self_paid.returncode == 1 and len(self_paid.stderr.splitlines()) == 1
+        assert "not the treasury" in self_paid.stderr, self_paid.stderr
+        for name in ("honest-0", "honest-1", "sign_flip"):
+            paid = _cli("bond", "deposit", "--ledger", url, "--run", run_id, "--key",
+                        str(tmp_path / "organiser.key"), "--worker",
+                        str(tmp_path / f"{name}.key.pub.json"), "--amount", "16",
+                        "--reference", f"invoice {name}")
+            assert paid.returncode == 0 and "bond 16" in paid.stdout, paid.stderr
+        for name, extra in (("validator", []), ("honest-0", []), ("honest-1", []),
+                            ("sign_flip", ["--attack", "sign_flip"])):
+            role = "validator" if name == "validator" else "worker"
+            args = [role, "--ledger", url, "--key", str(tmp_path / f"{name}.key"), "--run",
+                    run_id, *extra]
+            if role == "worker":
+                args += ["--no-progress", "--state-dir", str(tmp_path / "state" / name)]
+            procs.start(name, args)
+        unbonded = _cli("worker", "--ledger", url, "--key", str(tmp_path / "unbonded.key"),
+                        "--run", run_id, "--no-progress", "--retry-for", "10", "--state-dir",
+                        str(tmp_path / "state" / "unbonded"))
+        out = asyncio.run(_wait(url, run_id, timeout=420))
+        replacement = _cli("worker", "--ledger", url, "--key",
+                           str(tmp_path / "replacement.key"), "--run", run_id, "--no-progress",
+                           "--retry-for", "10", "--state-dir",
+                           str(tmp_path / "state" / "replacement"))
+        report_table = _cli("audit", "--ledger", url, "--run", run_id, "report")
+        worker_table = _cli("audit", "--ledger", url, "--run", run_id, "worker",
+                            hexkey["sign_flip"][:16])
+    finally:
+        procs.stop_all()
+    logs = "\n".join(p.read_text()[-2000:] for p in (tmp_path / "logs").glob("*.log"))
+    for refused in (unbonded, replacement):
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        line = refused.stderr.strip().splitlines()[-1]
+        assert line.startswith("veritrain worker: ") and "(not_admitted)" in line, line
+        assert "bond of 0 units" in line, line
+    report, audit = out["report"], out["audit"]
+    assert report["admission"]["policy"] == "bond"
+    workers = {w["worker"]: w for w in report["workers"]}
+    # Refused at the door: neither the unbonded key nor the replacement is a participant.
+    assert hexkey["unbonded"] not in workers and hexkey["replacement"] not in workers
+    cheat = workers[hexkey["sign_flip"]]
+    caught = cheat["rejected"][0]
+    assert caught["reason"] == "spot_check_failed", (cheat, logs)
+    assert cheat["bond"]["slashes"] == [{"round": caught["round"], "amount": 8}]
+    assert cheat["bond"]["bond"] == 8 and not cheat["bond"]["admitted"]
+    for name in ("honest-0", "honest-1"):
+        row = workers[hexkey[name]]
+        assert row["rejected"] == [] and row["accepted"] >= ROUNDS - 1, (row, logs)
+        assert row["bond"]["bond"] == 16 and row["bond"]["slashes"] == []
+    assert audit.ok, audit.problem
+    # The tables say it too.
+    assert report_table.returncode == 0, report_table.stderr
+    line = next(x for x in report_table.stdout.splitlines()
+                if x.startswith(hexkey["sign_flip"][:12]) and "-8" in x)
+    assert line.split()[1:4] == ["8", "16", "8"], line
+    assert worker_table.returncode == 0, worker_table.stderr
+    assert f"round {caught['round']}: slashed 8 units" in worker_table.stdout

@@ -44,12 +44,13 @@ from veritrain.protocol.messages import (
     SecaggMasked,
     SecaggOpening,
     SecaggReveal,
+    SecaggView,
     Submission,
     open_signed,
     sign,
 )
 from veritrain.protocol.presets import run_preset
-from veritrain.protocol.secagg import round_buckets
+from veritrain.protocol.secagg import round_buckets, view_digest
 
 from veritrain.synthetic import HONEST, build_results
 
@@ -118,11 +119,21 @@ def deal_msg(w: Identity, bucket: int, holders: list[str], *, seed_commitments: 
 
 
 def masked_msg(w: Identity, bucket: int, words: bytes = WORDS, *,
-               words_bytes: int | None = None) -> SecaggMasked:
+               words_bytes: int | None = None, group: list[str] | None = None
+               ) -> SecaggMasked:
+    """A masked input over ``group`` as members and dealers (none: a digest of nothing)."""
+    dealt = (view_digest(RUN, 0, bucket, group, group) if group is not None
+             else hx("no view"))
     return SecaggMasked(run_id=RUN, round=0, bucket=bucket, worker=pk(w),
                         commitment=hx("commit", pk(w)), input_digest=hx("input", pk(w)),
                         words_hash=hashlib.sha256(words).hexdigest(),
-                        words_bytes=len(words) if words_bytes is None else words_bytes)
+                        words_bytes=len(words) if words_bytes is None else words_bytes,
+                        dealers_digest=dealt)
+
+
+def view_msg(w: Identity, bucket: int, group: list[str], survivors: list[str]) -> SecaggView:
+    return SecaggView(run_id=RUN, round=0, bucket=bucket, worker=pk(w), members=group,
+                      dealers=group, survivors=survivors)
 
 
 def _shares(dealers: list[str], holder: str) -> list[dict[str, str]]:
@@ -130,10 +141,18 @@ def _shares(dealers: list[str], holder: str) -> list[dict[str, str]]:
 
 
 def reveal_msg(w: Identity, bucket: int, survivors: list[str], seed_of: list[str],
-               key_of: list[str]) -> SecaggReveal:
+               key_of: list[str], *, group: list[str] | None = None,
+               signers: list[Identity] = ()) -> SecaggReveal:
+    """A reveal on the view (``group`` as members and dealers, ``survivors``), carrying
+    the ``signers``' signatures on that view."""
+    group = list(survivors) if group is None else group
+    sigs = [{"worker": pk(x), "signature": sign(x, view_msg(x, bucket, group,
+                                                            survivors)).signature}
+            for x in signers]
     return SecaggReveal(run_id=RUN, round=0, bucket=bucket, holder=pk(w),
                         survivors=survivors, seed_shares=_shares(seed_of, pk(w)),
-                        key_shares=_shares(key_of, pk(w)))
+                        key_shares=_shares(key_of, pk(w)), members=group, dealers=group,
+                        view_signatures=sigs)
 
 
 def opening_msg(w: Identity, bucket: int) -> SecaggOpening:
@@ -280,7 +299,8 @@ def test_masked_run_takes_envelopes_only_and_deals_buckets_at_the_beacon(tmp_pat
     assert keys["opened_at"] == view["started_at"] and keys["closed_at"] is None
     assert keys["deadline"] == pytest.approx(view["started_at"] + MASKED["phase_seconds"])
     assert keys["expected"] == workers
-    assert view["posts"] == {k: [] for k in ("keys", "deal", "masked", "reveal", "opening")}
+    assert view["posts"] == {k: [] for k in ("keys", "deal", "masked", "view", "reveal",
+                                             "opening")}
     assert not view["complete"]
     assert [b["index"] for b in out["bucket1"]["buckets"]] == [1]
     assert out["bucket1"]["buckets"][0]["assigned"] == expected[1]
@@ -312,6 +332,9 @@ def test_keys_and_deal_refusals_leave_the_board_unchanged(tmp_path, ledger_url):
             "stranger": await post(api, "keys", stranger, keys_msg(stranger, 0)),
             "wrong_bucket": await post(api, "keys", b, keys_msg(b, 1)),
             "forged": await post(api, "keys", c, keys_msg(b, 0)),  # b's advert signed by c
+            # An X25519 key of low order agrees no secret: every member's dealing would fail.
+            "zero_key": await post(api, "keys", b, SecaggKeys(
+                **{**keys_msg(b, 0).to_body(), "mask_public": "00" * 32})),
             "other_keys": await post(api, "keys", a, keys_msg(a, 0, tag="again")),
             "early_deal": await post(api, "deal", a, deal_msg(a, 0, [pk(a), pk(b), pk(c)])),
             "early_masked": await post_masked(api, a, masked_msg(a, 0)),
@@ -361,6 +384,7 @@ def test_keys_and_deal_refusals_leave_the_board_unchanged(tmp_path, ledger_url):
     assert refused(r["stranger"], 403, "not_expected")
     assert refused(r["wrong_bucket"], 403, "wrong_bucket")
     assert refused(r["forged"], 401, "bad_signature")
+    assert refused(r["zero_key"], 400, "malformed")
     assert refused(r["other_keys"], 409, "duplicate")
     for name in ("early_deal", "early_masked", "early_reveal"):
         assert refused(r[name], 409, "phase_closed"), (name, r[name])
@@ -432,7 +456,10 @@ def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url):
             # The envelope claims 40 bytes but hashes a 36-byte file.
             "size_lie": await post_masked(api, a, masked_msg(a, 0, WORDS[:-4], words_bytes=40),
                                           WORDS[:-4]),
-            "hash_lie": await post_masked(api, a, masked_msg(a, 0), b"\x01" * len(WORDS)),
+            "hash_lie": await post_masked(api, a, masked_msg(a, 0, group=keys_of[0]),
+                                          b"\x01" * len(WORDS)),
+            "other_dealers": await post_masked(api, a, masked_msg(a, 0,
+                                                                  group=keys_of[0][:2])),
             "wrong_bucket": await post_masked(api, a, masked_msg(a, 1)),
         }
         out["masked_unchanged"] = stable(await board(api)) == before
@@ -442,10 +469,12 @@ def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url):
             for w in b:
                 data = hashlib.sha256(pk(w).encode()).digest()[: len(WORDS)].ljust(len(WORDS),
                                                                                    b"\0")
-                status, body = await post_masked(api, w, masked_msg(w, i, data), data)
+                status, body = await post_masked(api, w, masked_msg(w, i, data,
+                                                                    group=keys_of[i]), data)
                 assert status == 201, body
         # An exact resend is answered from the board, its words are not read again.
-        out["masked_again"] = await post_masked(api, w, masked_msg(w, i, data), b"")
+        out["masked_again"] = await post_masked(api, w, masked_msg(w, i, data,
+                                                                   group=keys_of[i]), b"")
         out["closes"].append(await board(api))
         who = {pk(w): (w, i) for i, b in enumerate(buckets) for w in b}
         unchallenged = next(k for k in who if k not in out["challenged"])
@@ -459,23 +488,33 @@ def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url):
             out["openings"].append(await post(api, "opening", cw, opening_msg(cw, ci)))
         out["opening_again"] = await post(api, "opening", cw, opening_msg(cw, ci))
         surv = keys_of[0]
+        out["other_view"] = await post(api, "view", a, view_msg(a, 0, surv, surv[:2]))
+        for i, b in enumerate(buckets):
+            for w in b:
+                assert (await post(api, "view", w, view_msg(w, i, keys_of[i],
+                                                            keys_of[i])))[0] == 201
+        out["closes"].append(await board(api))
+        sig0 = buckets[0]
         before = stable(await board(api))
         out["reveal_refusals"] = {
+            "unsigned": await post(api, "reveal", a, reveal_msg(a, 0, surv, surv, [])),
+            "too_few_signatures": await post(api, "reveal", a, reveal_msg(
+                a, 0, surv, surv, [], signers=sig0[:2])),
             "other_survivors": await post(api, "reveal", a, reveal_msg(a, 0, surv[:2], surv,
                                                                        [])),
             "reordered": await post(api, "reveal", a, reveal_msg(a, 0, surv[::-1], surv, [])),
-            "key_of_survivor": await post(api, "reveal", a, reveal_msg(a, 0, surv, surv[:2],
-                                                                       surv[2:])),
+            "key_of_survivor": await post(api, "reveal", a, reveal_msg(
+                a, 0, surv, surv[:2], surv[2:], signers=sig0)),
             "twice": await post(api, "reveal", a, reveal_msg(a, 0, surv, surv + surv[:1],
-                                                             [])),
+                                                             [], signers=sig0)),
             "outsider_seed": await post(api, "reveal", a, reveal_msg(
                 a, 0, surv, surv + keys_of[1][:1], [])),
         }
         out["reveal_unchanged"] = stable(await board(api)) == before
         for i, b in enumerate(buckets):
             for w in b:
-                assert (await post(api, "reveal", w, reveal_msg(w, i, keys_of[i], keys_of[i],
-                                                                [])))[0] == 201
+                assert (await post(api, "reveal", w, reveal_msg(
+                    w, i, keys_of[i], keys_of[i], [], signers=buckets[i])))[0] == 201
         out["final"] = await board(api)
         out["bucket0"] = await board(api, "?bucket=0")
         out["late_reveal"] = await post(api, "reveal", a, reveal_msg(a, 0, surv, surv[:1], []))
@@ -499,6 +538,8 @@ def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url):
     assert refused(m["size_lie"], 400, "malformed")
     assert refused(m["hash_lie"], 400, "payload_mismatch")
     assert refused(m["wrong_bucket"], 403, "wrong_bucket")
+    assert refused(m["other_dealers"], 400, "malformed")  # masked over other dealers
+    assert refused(out["other_view"], 400, "malformed")  # a view that is not the board's
     assert out["masked_unchanged"]
     assert refused(out["refused_words"], 404, "not_found")
     assert out["masked_again"] == (201, {"kind": "masked", "already": True})
@@ -513,13 +554,13 @@ def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url):
     assert out["reveal_unchanged"]
     final = out["final"]
     assert final["complete"]
-    assert [p["name"] for p in final["phases"]] == ["keys", "deal", "masked", "reveal"]
+    assert [p["name"] for p in final["phases"]] == ["keys", "deal", "masked", "view", "reveal"]
     assert all(p["closed_at"] < p["deadline"] for p in final["phases"])
     assert [b["survivors"] for b in final["buckets"]] == out["buckets"]
     assert all(b["live"] for b in final["buckets"])
     posts = final["posts"]
     assert {k: len(v) for k, v in posts.items()} == {"keys": 6, "deal": 6, "masked": 6,
-                                                     "reveal": 6, "opening": 2}
+                                                     "view": 6, "reveal": 6, "opening": 2}
     assert sorted(p["body"]["worker"] for p in posts["opening"]) == sorted(out["challenged"])
     b0 = out["bucket0"]
     assert len(b0["posts"]["keys"]) == 3
@@ -534,7 +575,8 @@ def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url):
 
 def test_deadlines_close_phases_and_drop_buckets_that_cannot_finish(tmp_path, ledger_url):
     """An injected clock (no sleeping): keys closes at its deadline without one member,
-    a bucket left with one survivor of two members is dropped and nobody reveals for it."""
+    and buckets that fall below k = 3 (buckets of three: t is capped at
+    floor((3 - 1) / 3) = 0) are dropped: one at keys, one at masked; nobody reveals."""
     run = masked_run()
     ids = [Identity.generate("worker") for _ in range(6)]
     seconds = MASKED["phase_seconds"]
@@ -547,6 +589,7 @@ def test_deadlines_close_phases_and_drop_buckets_that_cannot_finish(tmp_path, le
         (a, b, c), (d, e, f) = by_bucket(view, ids)
         out["started_at"] = view["started_at"]
         out["keys_of"] = [[pk(a), pk(b), pk(c)], [pk(d), pk(e), pk(f)]]
+        group = out["keys_of"][0]
         for w, i in ((a, 0), (b, 0), (c, 0), (d, 1), (e, 1)):  # f never advertises
             assert (await post(api, "keys", w, keys_msg(w, i)))[0] == 201
         out["keys_waiting"] = await board(api)
@@ -554,32 +597,20 @@ def test_deadlines_close_phases_and_drop_buckets_that_cannot_finish(tmp_path, le
         out["keys_deadline"] = await board(api)
         out["late_keys"] = await post(api, "keys", f, keys_msg(f, 1))
         out["f_deal"] = await post(api, "deal", f, deal_msg(f, 1, [pk(d), pk(e), pk(f)]))
-        out["deal_three"] = await post(api, "deal", d, deal_msg(d, 1, [pk(d), pk(e), pk(f)]))
-        for w, i, holders in ((a, 0, out["keys_of"][0]), (b, 0, out["keys_of"][0]),
-                              (c, 0, out["keys_of"][0]), (d, 1, [pk(d), pk(e)]),
-                              (e, 1, [pk(d), pk(e)])):
-            assert (await post(api, "deal", w, deal_msg(w, i, holders)))[0] == 201
+        out["d_deal"] = await post(api, "deal", d, deal_msg(d, 1, [pk(d), pk(e)]))
+        for w in (a, b, c):
+            assert (await post(api, "deal", w, deal_msg(w, 0, group)))[0] == 201
         out["deal_closed"] = await board(api)
-        for w, i in ((a, 0), (b, 0), (d, 1)):  # c and e drop out
-            status, body = await post_masked(api, w, masked_msg(w, i))
+        for w in (a, b):  # c drops out
+            status, body = await post_masked(api, w, masked_msg(w, 0, group=group))
             assert status == 201, body
         out["masked_waiting"] = await board(api)
         clock.advance(seconds)
         out["masked_deadline"] = await board(api)
-        out["late_masked"] = await post_masked(api, c, masked_msg(c, 0))
-        out["reveal_dropped_bucket"] = await post(api, "reveal", d, reveal_msg(
-            d, 1, [pk(d)], [pk(d)], [pk(e)]))
-        out["reveal_dropout"] = await post(api, "reveal", c, reveal_msg(
-            c, 0, [pk(a), pk(b)], [pk(a), pk(b)], [pk(c)]))
-        out["reveal_both"] = await post(api, "reveal", a, reveal_msg(
-            a, 0, [pk(a), pk(b)], [pk(a), pk(b), pk(c)], [pk(c)]))
+        out["late_masked"] = await post_masked(api, c, masked_msg(c, 0, group=group))
+        out["view_a"] = await post(api, "view", a, view_msg(a, 0, group, group[:2]))
         out["reveal_a"] = await post(api, "reveal", a, reveal_msg(
-            a, 0, [pk(a), pk(b)], [pk(a), pk(b)], [pk(c)]))
-        out["after_a"] = await board(api)
-        out["reveal_b"] = await post(api, "reveal", b, reveal_msg(
-            b, 0, [pk(a), pk(b)], [pk(b)], [pk(c)]))
-        out["final"] = await board(api)
-        # Finalize the round (a quorum of results); the board then takes nothing more.
+            a, 0, group[:2], group[:2], group[2:], group=group, signers=[a, b]))
         out["finalized"] = await asyncio.to_thread(finalize, api.store, run)
         out["after_final"] = await post(api, "opening", a, opening_msg(a, 0))
         out["audit"], out["full"], _ = await audit(api)
@@ -600,7 +631,7 @@ def test_deadlines_close_phases_and_drop_buckets_that_cannot_finish(tmp_path, le
 
     out = run_api(tmp_path, scenario, db_url=ledger_url, **NO_LIMITS)
     start = out["started_at"]
-    (ka, kb, kc), (kd, ke, kf) = out["keys_of"]
+    (ka, kb, kc), (kd, ke, _) = out["keys_of"]
     w = out["keys_waiting"]
     assert [p["name"] for p in w["phases"]] == ["keys"] and w["phases"][0]["closed_at"] is None
     kd_view = out["keys_deadline"]
@@ -608,36 +639,28 @@ def test_deadlines_close_phases_and_drop_buckets_that_cannot_finish(tmp_path, le
     assert keys["closed_at"] == pytest.approx(start + seconds)
     assert keys["closed_at"] == keys["deadline"]
     assert deal["opened_at"] == keys["closed_at"] and deal["closed_at"] is None
-    assert deal["expected"] == sorted([ka, kb, kc, kd, ke])
+    # Bucket 1 has two advertisers, fewer than k = 3: dropped, it deals nothing.
     assert [b["members"] for b in kd_view["buckets"]] == [[ka, kb, kc], [kd, ke]]
+    assert [b["live"] for b in kd_view["buckets"]] == [True, False]
+    assert deal["expected"] == sorted([ka, kb, kc])
     assert refused(out["late_keys"], 409, "phase_closed")
     assert refused(out["f_deal"], 403, "not_expected")
-    assert refused(out["deal_three"], 400, "malformed")  # f is no member: 2 holders only
+    assert refused(out["d_deal"], 403, "not_expected")
     dc = out["deal_closed"]
-    assert dc["phases"][1]["closed_at"] < dc["phases"][1]["deadline"]  # all five dealt
-    assert dc["phases"][2]["expected"] == sorted([ka, kb, kc, kd, ke])
+    assert dc["phases"][1]["closed_at"] < dc["phases"][1]["deadline"]  # all three dealt
+    assert dc["phases"][2]["expected"] == sorted([ka, kb, kc])
     mw = out["masked_waiting"]
     assert mw["phases"][2]["closed_at"] is None and len(mw["phases"]) == 3
     md = out["masked_deadline"]
-    masked, reveal = md["phases"][2:]
-    assert masked["closed_at"] == masked["deadline"]
-    b0, b1 = md["buckets"]
-    # Bucket 0: three members, t = 1, k = 2: a and b survive and reveal.
-    assert b0["survivors"] == [ka, kb] and b0["live"]
-    # Bucket 1: two members, t = 0, k = 2: d alone cannot be unmasked.
-    assert b1["survivors"] == [kd] and not b1["live"]
-    assert reveal["expected"] == [ka, kb]
+    assert md["phases"][2]["closed_at"] == md["phases"][2]["deadline"]
+    b0 = md["buckets"][0]
+    # Two survivors of three, below k = 3: dropped, so nobody signs a view or reveals.
+    assert b0["survivors"] == [ka, kb] and not b0["live"]
+    assert [p["name"] for p in md["phases"]] == ["keys", "deal", "masked", "view", "reveal"]
+    assert md["phases"][3]["expected"] == [] and md["complete"]
     assert refused(out["late_masked"], 409, "phase_closed")
-    assert refused(out["reveal_dropped_bucket"], 403, "not_expected")
-    assert refused(out["reveal_dropout"], 403, "not_expected")
-    assert refused(out["reveal_both"], 400, "malformed")
-    assert out["reveal_a"][0] == 201
-    assert not out["after_a"]["complete"]
-    assert out["reveal_b"][0] == 201
-    final = out["final"]
-    assert final["complete"]
-    rv = final["phases"][3]
-    assert rv["closed_at"] < rv["deadline"]  # both survivors revealed: no waiting
+    assert refused(out["view_a"], 409, "phase_closed")
+    assert refused(out["reveal_a"], 409, "phase_closed")
     assert out["finalized"] == "finalized"
     assert refused(out["after_final"], 409, "round_finalized")
     assert out["audit"].ok, out["audit"].problem

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 
 from fakes import make_fake_run, make_submission
 from ledger_backends import make_fixture
@@ -125,6 +126,7 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypat
             key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
             out["audit"] = verify_events(await fetch_events(client, RUN), key)
             out["full"] = verify_events(await fetch_events(client, RUN), key, full=True)
+            out["events"] = await fetch_events(client, RUN)
         return out
 
     out = run_api(tmp_path, scenario, db_url=ledger_url)
@@ -154,6 +156,8 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypat
     assert code["self_finding"] == 403
     view = out["view"]
     assert view["faulty_shards"] == [0] and len(view["results"]) == 1
+    faults = [json.loads(e.body) for e in out["events"] if e.kind == "shard_fault"]
+    assert [f["penalty"] for f in faults] == ["excluded_from_quorum"]  # the fault's cost
     assert view["list"] == [out["view"]["results"][0]["body"]["result_digest"], None, None]
     assert out["audit"].ok, out["audit"].problem
     assert out["full"].ok, out["full"].problem

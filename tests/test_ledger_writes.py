@@ -45,9 +45,10 @@ def resigned_by(wire: dict, other: Identity) -> dict:
     return {**wire, "signature": other.sign_ed25519(root).hex()}
 
 
-def registration(run, who: Identity):
+def registration(run, who: Identity, created_at: int = 1):
     return sign(who, Registration(run_id=run.spec.run_id, round=0,
-                                  participant=who.public_key.hex(), role="worker", created_at=1))
+                                  participant=who.public_key.hex(), role="worker",
+                                  created_at=created_at))
 
 
 async def post_result(api, signed, blobs):
@@ -156,11 +157,12 @@ def test_invalid_writes_unsigned_wrongly_signed_replayed_or_unregistered(tmp_pat
         assert got[0] == 409 and got[1]["reason"] == "duplicate", got
         assert counts(store) == after
 
-        # Reads stay public, and every refused write was recorded with its reason.
+        # Reads stay public; every refused write a member of the run sent was recorded with
+        # its reason (unsigned, forged and strangers' ones only in /metrics).
         reasons = {x["reason"] for x in (await api.get(path + "/rejections?limit=100"))[1][
             "rejections"]}
-        assert {"malformed", "bad_signature", "unknown_worker", "duplicate",
-                "unknown_validator"} <= reasons
+        assert "duplicate" in reasons
+        assert not {"malformed", "bad_signature", "unknown_worker", "unknown_validator"} & reasons
 
     run_api(tmp_path, scenario, db_url=ledger_url)
 
@@ -171,9 +173,10 @@ def test_invalid_flood_from_one_key_is_limited_without_starving_others(tmp_path)
 
     async def scenario(api):
         await api.create_run(run)
-        wire = registration(run, flooder).to_wire()
-        replies = await asyncio.gather(*[api.post_json("/v1/runs/flood-run/participants", wire)
-                                         for _ in range(30)])
+        # 30 different registrations (only the key's holder can sign them): its budget.
+        wires = [registration(run, flooder, created_at=1 + i).to_wire() for i in range(30)]
+        replies = await asyncio.gather(*[api.post_json("/v1/runs/flood-run/participants", w)
+                                         for w in wires])
         statuses = [s for s, _ in replies]
         assert statuses.count(200) == 5 and statuses.count(429) == 25
         refused = next(body for s, body in replies if s == 429)

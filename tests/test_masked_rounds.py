@@ -156,27 +156,29 @@ def _masked_round(tmp_path, settings: dict, run_id: str, attacks: dict[int, str]
 
 
 def test_a_bucket_survives_a_dropout_a_forger_and_an_opened_free_rider(tmp_path):
+    # Seven workers, t = 2 (the cap floor((7 - 1) / 3) = 2), k = 5: one dropout and one
+    # forger leave five valid shares of each secret.
     attacks = {0: "drop_after_deal", 1: "forge_reveal", 2: "free_rider"}
     workers, updates, result = _masked_round(
-        tmp_path, masked_settings(5, 2, 5), "masked-run", attacks, 5)
+        tmp_path, masked_settings(7, 2, 7), "masked-run", attacks, 7)
     outcomes, ends, board, summary, payload_blob, audit = result
     keys = [w.public_key.hex() for w in workers]
     assert summary["status"] == "finalized"
-    assert ends == ["dropped out", "revealed", "revealed", "revealed", "revealed"]
+    assert ends == ["dropped out"] + ["revealed"] * 6
     (bucket,) = board["buckets"]
     assert bucket["live"] and bucket["survivors"] == sorted(keys[1:])
-    assert len(board["posts"]["opening"]) == 4  # every survivor was spot-checked
+    assert len(board["posts"]["opening"]) == 6  # every survivor was spot-checked
     verdicts = {v["worker"]: v for v in outcomes[0].verdicts}
     assert verdicts[keys[0]]["reason"] == "dropped_out"
     assert verdicts[keys[1]]["reason"] == "forged_share"
     assert verdicts[keys[2]]["reason"] == "spot_check_failed"
-    assert [verdicts[k]["status"] for k in keys[3:]] == ["accepted", "accepted"]
+    assert [verdicts[k]["status"] for k in keys[3:]] == ["accepted"] * 4
     # All three validators certify the same model.
     assert all(torch.equal(o.new_flat, outcomes[0].new_flat) for o in outcomes)
     # The aggregate is the mean of the inputs left in the sum: the free rider's was
     # subtracted after its opening, the forger's stays (its shares were ignored, not its input).
-    expected = torch.stack([updates[1], updates[3], updates[4]]).double().mean(dim=0)
-    step = 1 / fixed_point_scale(CLIP, 5)
+    expected = torch.stack([updates[1]] + updates[3:]).double().mean(dim=0)
+    step = 1 / fixed_point_scale(CLIP, 7)
     assert float((outcomes[0].aggregate.double() - expected).abs().max()) <= 2 * step + 1e-7
     # The opened workers' payloads reached the ledger inside their spot check's reveal.
     assert payload_blob == 200

@@ -37,10 +37,41 @@ def test_rule_rejects_only_below_the_median_and_never_a_majority(values, factor)
 
     gains = {f"w{i}": v for i, v in enumerate(values)}
     out = loss_regressions(gains, factor)
-    assert all(gains[w] < statistics.median(values) for w in out)
-    assert len(out) <= (len(gains) - 1) // 2 + (len(gains) % 2 == 0)  # at most below the median
+    # Identical gains count once: the rule's median is that of the distinct values.
+    distinct = sorted(set(values))
+    assert all(gains[w] < statistics.median(distinct) for w in out)
+    flagged = {gains[w] for w in out}  # at most the distinct values below the median
+    assert len(flagged) <= (len(distinct) - 1) // 2 + (len(distinct) % 2 == 0)
+    if len(distinct) == len(values):  # no copies: never a majority of the rows
+        assert len(out) <= (len(gains) - 1) // 2 + (len(gains) % 2 == 0)
     # Scale-free: gains in other units reject the same workers.
     assert loss_regressions({w: 3.0 * v for w, v in gains.items()}, factor).keys() == out.keys()
+
+
+HONEST_LATE = [0.02, 0.015, 0.01, 0.008, 0.005, 0.0, -0.005, -0.01, -0.02]
+
+
+def test_identical_coordinated_rows_inside_the_honest_spread_do_not_exclude_honest_rows():
+    """Issue 24: f = 7 of 16 attackers send one vector whose probe gain sits inside the
+    honest spread. Counted seven times, that gain would be the round's median and seven
+    zero deviations would shrink the MAD, pushing the honest rows at the low edge of
+    the spread below the floor; counted once, the round looks as it does without them."""
+    honest = {f"h{i}": ProbeGain(g, 0.001) for i, g in enumerate(HONEST_LATE)}
+    assert loss_regressions(honest, 5.0) == {}
+    for inside in (0.006, 0.0, -0.004, 0.012):
+        copies = {f"b{i}": ProbeGain(inside, 0.001) for i in range(7)}
+        assert loss_regressions({**honest, **copies}, 5.0) == {}, inside
+    # Plain floats (no noise term) too, and at f = 3.
+    plain = dict(zip(honest, HONEST_LATE, strict=True))
+    assert loss_regressions({**plain, **{f"b{i}": 0.006 for i in range(7)}}, 5.0) == {}
+    assert loss_regressions({**plain, **{f"b{i}": 0.006 for i in range(3)}}, 5.0) == {}
+
+
+def test_identical_rows_that_regress_are_all_excluded():
+    """Counting copies once does not shield them: every copy below the floor goes."""
+    honest = {f"h{i}": ProbeGain(g, 0.001) for i, g in enumerate(HONEST_LATE)}
+    copies = {f"b{i}": ProbeGain(-0.5, 0.001) for i in range(7)}
+    assert set(loss_regressions({**honest, **copies}, 5.0)) == set(copies)
 
 
 def _tiny_run() -> RunContext:

@@ -22,6 +22,7 @@ from veritrain.protocol.secagg import (
     Phase,
     bucket_dropouts,
     bucket_rank,
+    bucket_threshold,
     check_dealt,
     open_phase,
     phase_schedule,
@@ -163,18 +164,33 @@ def test_bucket_rank_depends_on_the_seed_length_prefix():
 # --------------------------------------------------------------------------- bucket_dropouts
 
 @given(t=st.integers(0, 64), s=st.integers(2, 127))
-def test_bucket_dropouts_keep_the_threshold_above_half(t, s):
+def test_bucket_dropouts_keep_the_threshold_above_two_thirds(t, s):
     d = bucket_dropouts(t, s)
     assert 0 <= d <= t
-    assert 2 * (s - d) > s  # k = s - t exceeds s / 2
-    # and no smaller than it has to be: one more dropout would break k > s / 2 or the run's t
-    assert d == t or 2 * (s - d - 1) <= s
+    assert 3 * (s - d) > 2 * s  # k = s - t exceeds 2s / 3 (spec E.2, consistency round)
+    # and no smaller than it has to be: one more dropout would break k > 2s / 3 or the run's t
+    assert d == t or 3 * (s - d - 1) <= 2 * s
 
 
-@pytest.mark.parametrize(("t", "s", "want"), [(1, 3, 1), (1, 2, 0), (5, 4, 1), (2, 5, 2),
-                                              (3, 5, 2), (0, 9, 0), (4, 9, 4)])
+@pytest.mark.parametrize(("t", "s", "want"), [(1, 3, 0), (1, 2, 0), (5, 4, 1), (2, 5, 1),
+                                              (3, 7, 2), (0, 9, 0), (4, 9, 2)])
 def test_bucket_dropouts_examples(t, s, want):
     assert bucket_dropouts(t, s) == want
+
+
+@given(t=st.integers(0, 64), a=st.integers(2, 127))
+def test_bucket_threshold_is_the_assigned_count_less_the_capped_dropouts(t, a):
+    k = bucket_threshold(t, a)
+    assert k == a - bucket_dropouts(t, a)
+    assert 2 <= k <= a  # never a bucket of one, never more than were dealt
+    # Two views each signed by k of the a members share 2k - a > a / 3 signers.
+    assert 3 * k > 2 * a and 2 * k - a > a / 3
+
+
+@pytest.mark.parametrize(("t", "a", "want"), [(1, 2, 2), (1, 3, 3), (1, 4, 3), (5, 4, 3),
+                                              (2, 5, 4), (2, 7, 5), (4, 9, 7), (0, 9, 9)])
+def test_bucket_threshold_examples(t, a, want):
+    assert bucket_threshold(t, a) == want
 
 
 def test_words_file_is_four_bytes_a_parameter():
@@ -185,7 +201,7 @@ def test_words_file_is_four_bytes_a_parameter():
 # --------------------------------------------------------------------------- phase_schedule
 
 START, SECONDS = 100.0, 5.0
-A, B, C, D, E, F = (worker(i) for i in range(6))
+A, B, C, D, E, F, G, H, M, N, P, Q = (worker(i) for i in range(12))
 
 
 def got(kind: dict[str, float], buckets: list[list[str]]) -> dict[str, tuple[int, float]]:
@@ -213,8 +229,8 @@ def test_phase_closes_at_its_last_expected_arrival_when_everyone_posted():
 
 
 def test_phase_closes_at_its_deadline_when_someone_is_missing():
-    buckets = [[A, B, C]]
-    posts = {"keys": {A: 101.0, B: 104.0}}
+    buckets = [[A, B, C, D]]  # t = 1, k = 3: D may stay away
+    posts = {"keys": {A: 101.0, B: 104.0, C: 102.0}}
     before, _ = schedule(buckets, posts, now=START + SECONDS - 1e-6)
     assert [p.name for p in before] == ["keys"] and before[0].closed_at is None
     assert open_phase(before, "keys") is before[0]
@@ -222,8 +238,8 @@ def test_phase_closes_at_its_deadline_when_someone_is_missing():
     at, states = schedule(buckets, posts, now=START + SECONDS)
     assert at[0].closed_at == START + SECONDS  # exactly the deadline, not the last arrival
     assert open_phase(at, "keys") is None
-    assert at[1].opened_at == START + SECONDS and at[1].expected == {A, B}
-    assert states[0].members == (A, B) and states[0].live
+    assert at[1].opened_at == START + SECONDS and at[1].expected == {A, B, C}
+    assert states[0].members == (A, B, C) and states[0].live
     later, _ = schedule(buckets, posts, now=START + 50)
     assert later[0].closed_at == START + SECONDS  # the close time does not drift with now
     assert later[1].closed_at == START + 2 * SECONDS  # deal: nobody dealt, deadline passed
@@ -247,100 +263,143 @@ def test_complete_round_closes_each_phase_at_its_last_post():
     posts = {"keys": {A: 100.5, B: 101.0, C: 101.2},
              "deal": {A: 102.0, B: 102.5, C: 103.0},
              "masked": {A: 104.0, B: 104.5, C: 103.5},
-             "reveal": {A: 106.0, B: 105.0, C: 105.5}}
+             "view": {A: 105.0, B: 104.8, C: 104.9},
+             "reveal": {A: 106.0, B: 105.2, C: 105.5}}
     phases, states = schedule(buckets, posts, now=106.0)
     assert [(p.name, p.opened_at, p.closed_at) for p in phases] == [
         ("keys", 100.0, 101.2), ("deal", 101.2, 103.0), ("masked", 103.0, 104.5),
-        ("reveal", 104.5, 106.0)]
-    assert [p.deadline for p in phases] == pytest.approx([105.0, 106.2, 108.0, 109.5])
-    assert states == [BucketState(0, (A, B, C), (A, B, C), (A, B, C), (A, B, C), True)]
-    assert [p.to_json()["expected"] for p in phases] == [sorted([A, B, C])] * 4
+        ("view", 104.5, 105.0), ("reveal", 105.0, 106.0)]
+    assert [p.deadline for p in phases] == pytest.approx([105.0, 106.2, 108.0, 109.5, 110.0])
+    assert states == [BucketState(0, (A, B, C), (A, B, C), (A, B, C), (A, B, C), True,
+                                  (A, B, C))]
+    assert [p.to_json()["expected"] for p in phases] == [sorted([A, B, C])] * 5
 
 
 def test_expected_senders_follow_each_phase_of_each_bucket():
-    """keys: every assigned member; deal: the advertisers; masked: the dealers; reveal: the
-    survivors, each of live buckets only."""
-    buckets = [[A, B, C], [D, E, F]]
-    posts = {"keys": {A: 101, B: 101, C: 101, D: 101, E: 101},  # F never advertises
-             "deal": {A: 106, B: 106, D: 106, E: 106},  # C advertised but does not deal
-             "masked": {A: 111, B: 111, D: 111},  # E dealt but drops out
+    """keys: every assigned member; deal: the advertisers; masked: the dealers; view: the
+    survivors; reveal: the survivors that signed the view, each of live buckets only."""
+    buckets = [[A, B, C, D], [E, F, G, H], [M, N, P, Q]]  # t = 1, k = 3 in each
+    posts = {"keys": {A: 101, B: 101, C: 101, D: 101, E: 101, F: 101, G: 101,  # H never
+                      M: 101, N: 101, P: 101, Q: 101},
+             "deal": {A: 106, B: 106, C: 106, E: 106, F: 106, G: 106,  # D advertised only
+                      M: 106, N: 106, P: 106, Q: 106},
+             "masked": {A: 111, B: 111, C: 111, E: 111, F: 111,  # G dealt but drops out
+                        M: 111, N: 111, P: 111, Q: 111},
+             "view": {A: 116, B: 116, C: 116, M: 116, N: 116},  # P and Q do not sign
              "reveal": {}}
     phases, states = schedule(buckets, posts, now=1000.0, max_dropouts=1)
-    keys, deal, masked, reveal = phases
-    assert keys.expected == {A, B, C, D, E, F}
-    assert deal.expected == {A, B, C, D, E}
-    assert masked.expected == {A, B, D, E}
-    # Bucket 0: members A B C (t = 1, k = 2), survivors A B: live, they reveal.
-    # Bucket 1: members D E (t = 0, k = 2), survivor D alone: dropped, nobody reveals.
-    assert reveal.expected == {A, B}
-    b0, b1 = states
-    assert (b0.members, b0.dealers, b0.survivors, b0.live) == ((A, B, C), (A, B), (A, B), True)
-    assert (b1.members, b1.dealers, b1.survivors, b1.live) == ((D, E), (D, E), (D,), False)
-    assert [p.closed_at for p in phases] == [105.0, 110.0, 115.0, 120.0]
+    keys, deal, masked, view, reveal = phases
+    assert [p.name for p in phases] == ["keys", "deal", "masked", "view", "reveal"]
+    assert keys.expected == {A, B, C, D, E, F, G, H, M, N, P, Q}
+    assert deal.expected == {A, B, C, D, E, F, G, M, N, P, Q}
+    assert masked.expected == {A, B, C, E, F, G, M, N, P, Q}
+    # Bucket 1: survivors E F, fewer than k = 3: dropped, it signs no view.
+    assert view.expected == {A, B, C, M, N, P, Q}
+    # Bucket 0: three signers: they reveal. Bucket 2: four survivors but two signers,
+    # fewer than k: dropped, nobody reveals (not even the signers M and N).
+    assert reveal.expected == {A, B, C}
+    b0, b1, b2 = states
+    assert (b0.members, b0.dealers, b0.survivors, b0.signers, b0.live) == (
+        (A, B, C, D), (A, B, C), (A, B, C), (A, B, C), True)
+    assert (b1.members, b1.dealers, b1.survivors, b1.signers, b1.live) == (
+        (E, F, G), (E, F, G), (E, F), (), False)
+    assert (b2.members, b2.dealers, b2.survivors, b2.signers, b2.live) == (
+        (M, N, P, Q), (M, N, P, Q), (M, N, P, Q), (M, N), False)
+    assert [p.closed_at for p in phases] == [105.0, 110.0, 115.0, 120.0, 125.0]
 
 
-def test_bucket_with_fewer_than_two_advertisers_is_dropped():
-    buckets = [[A, B, C], [D, E, F]]
-    posts = {"keys": {A: 101, D: 101, E: 102}}
+def test_bucket_with_fewer_than_k_advertisers_is_dropped():
+    buckets = [[A, B, C, D], [E, F, G, H]]  # t = 1, k = 3 in each
+    posts = {"keys": {A: 101, B: 101, E: 101, F: 102, G: 102}}
     phases, states = schedule(buckets, posts, now=START + SECONDS)
-    assert states[0].members == (A,) and not states[0].live
-    assert states[1].members == (D, E) and states[1].live
+    assert states[0].members == (A, B) and not states[0].live
+    assert states[1].members == (E, F, G) and states[1].live
     deal = phases[1]
-    assert deal.expected == {D, E}  # A is not waited for, alone in its bucket
-    # Once D and E dealt the deal phase closes without A; A stays out of every later phase.
-    phases, states = schedule(buckets, {**posts, "deal": {D: 106, E: 107}}, now=107)
-    assert phases[1].closed_at == 107 and phases[2].expected == {D, E}
+    assert deal.expected == {E, F, G}  # A and B are not waited for, too few to finish
+    # Once E, F and G dealt the deal phase closes without A and B, who stay out of every
+    # later phase.
+    phases, states = schedule(buckets, {**posts, "deal": {E: 106, F: 107, G: 106.5}}, now=107)
+    assert phases[1].closed_at == 107 and phases[2].expected == {E, F, G}
     assert not states[0].live and states[0].dealers == ()
 
 
-def test_bucket_with_fewer_than_two_dealers_is_dropped():
-    buckets = [[A, B, C]]
-    posts = {"keys": {A: 101, B: 101, C: 101}, "deal": {B: 102}}
+def test_bucket_with_fewer_than_k_dealers_is_dropped():
+    buckets = [[A, B, C, D]]  # t = 1, k = 3
+    posts = {"keys": {A: 101, B: 101, C: 101, D: 101}, "deal": {B: 102, D: 102}}
     phases, states = schedule(buckets, posts, now=500)
-    assert states[0].dealers == (B,) and not states[0].live
+    assert states[0].dealers == (B, D) and not states[0].live
     masked = phases[2]
     assert masked.expected == frozenset() and masked.closed_at == masked.opened_at
-    assert phases[3].expected == frozenset() and phases[3].closed_at == masked.opened_at
+    assert [(p.name, p.expected, p.closed_at) for p in phases[3:]] == [
+        ("view", frozenset(), masked.opened_at), ("reveal", frozenset(), masked.opened_at)]
 
 
 def test_an_empty_phase_closes_the_moment_it_opens():
     buckets = [[A, B]]
-    # Nobody advertised: keys closes at its deadline, and deal, masked and reveal, which
-    # then expect nobody, close at that same instant.
+    # Nobody advertised: keys closes at its deadline, and deal, masked, view and reveal,
+    # which then expect nobody, close at that same instant.
     phases, states = schedule(buckets, {}, now=START + SECONDS)
-    assert [p.closed_at for p in phases] == [START + SECONDS] * 4
-    assert [p.expected for p in phases[1:]] == [frozenset()] * 3
+    assert [p.closed_at for p in phases] == [START + SECONDS] * 5
+    assert [p.expected for p in phases[1:]] == [frozenset()] * 4
     assert states[0].members == () and not states[0].live
 
 
 @pytest.mark.parametrize(("survivors", "max_dropouts", "live"), [
-    ((A, B, C), 1, True),
-    ((A, B), 1, True),  # k = 3 - 1 = 2
-    ((A,), 1, False),
-    ((A, B), 0, False),  # t = 0: every dealer must survive
-    ((A, B), 5, True),  # the run's t is capped at (3 + 1) // 2 - 1 = 1 for three members
+    ((A, B, C, D), 1, True),
+    ((A, B, C), 1, True),  # k = 4 - 1 = 3
+    ((A, B), 1, False),
+    ((A, B, C), 0, False),  # t = 0: every dealer must survive
+    ((A, B, C), 5, True),  # the run's t is capped at (4 - 1) // 3 = 1 for four assigned
+    ((A, B), 5, False),  # ... so a large t never lowers k below 3
 ])
 def test_survivors_below_the_threshold_drop_the_bucket(survivors, max_dropouts, live):
-    buckets = [[A, B, C]]
-    posts = {"keys": {A: 101, B: 101, C: 101}, "deal": {A: 102, B: 102, C: 102},
+    buckets = [[A, B, C, D]]
+    posts = {"keys": {A: 101, B: 101, C: 101, D: 101}, "deal": {A: 102, B: 102, C: 102, D: 102},
              "masked": {w: 103.0 for w in survivors}}
-    phases, states = schedule(buckets, posts, now=200, max_dropouts=max_dropouts)
+    # At 107 masked closed (at 103 when everyone posted, else at its deadline) and view
+    # is open: the state is the one after masked.
+    phases, states = schedule(buckets, posts, now=107, max_dropouts=max_dropouts)
     assert states[0].survivors == survivors and states[0].live is live
+    assert phases[3].name == "view"
     assert phases[3].expected == (frozenset(survivors) if live else frozenset())
 
 
-def test_threshold_counts_the_advertisers_not_the_assigned():
-    # Five assigned but three advertise: t = bucket_dropouts(2, 3) = 1 and k = 3 - 1 = 2
-    # (counting the five assigned would give t = 2 and k = 3).
-    buckets = [[A, B, C, D, E]]
-    posts = {"keys": {A: 101, B: 101, C: 101}, "deal": {A: 106, B: 106, C: 106},
-             "masked": {A: 107.0, B: 107.0}}
-    phases, states = schedule(buckets, posts, now=300, max_dropouts=2)
-    assert states[0].members == (A, B, C) and states[0].survivors == (A, B)
+@pytest.mark.parametrize(("signers", "live"), [((A, B, C, D), True), ((A, C, D), True),
+                                               ((B, D), False), ((), False)])
+def test_view_signers_below_the_threshold_drop_the_bucket(signers, live):
+    """Only the survivors that signed the view are waited for in ``reveal``, and only when
+    at least k of them did (a member reveals only on k signatures of its view)."""
+    buckets = [[A, B, C, D]]  # t = 1, k = 3
+    everyone = {A: 101.0, B: 101.0, C: 101.0, D: 101.0}
+    posts = {"keys": everyone, "deal": everyone, "masked": everyone,
+             "view": {w: 102.0 for w in signers}}
+    phases, states = schedule(buckets, posts, now=200)
+    assert states[0].survivors == (A, B, C, D)
+    assert states[0].signers == signers and states[0].live is live
+    assert phases[4].name == "reveal"
+    assert phases[4].expected == (frozenset(signers) if live else frozenset())
+
+
+def test_threshold_counts_the_assigned_not_the_advertisers():
+    # Seven assigned with t = 2: k = 7 - 2 = 5, whoever advertises. Counting the five
+    # advertisers instead would give t = bucket_dropouts(2, 5) = 1 and k = 4, so a ledger
+    # hiding members from the board could lower the threshold.
+    buckets = [[A, B, C, D, E, F, G]]
+    five = {A: 101.0, B: 101.0, C: 101.0, D: 101.0, E: 101.0}
+    posts = {"keys": five, "deal": five, "masked": five}
+    # keys closes at its deadline (105), deal and masked at that instant, view is open.
+    phases, states = schedule(buckets, posts, now=106, max_dropouts=2)
+    assert phases[3].name == "view" and phases[3].closed_at is None
+    assert states[0].members == (A, B, C, D, E) and states[0].survivors == (A, B, C, D, E)
     assert states[0].live
-    assert phases[3].expected == {A, B}
-    phases, states = schedule(buckets, {**posts, "masked": {A: 107.0}}, now=300, max_dropouts=2)
+    assert phases[3].expected == {A, B, C, D, E}
+    four = {A: 107.0, B: 107.0, C: 107.0, D: 107.0}
+    phases, states = schedule(buckets, {**posts, "masked": four}, now=300, max_dropouts=2)
+    assert states[0].survivors == (A, B, C, D)
     assert not states[0].live and phases[3].expected == frozenset()
+    # And four advertisers of seven cannot even start dealing.
+    phases, states = schedule(buckets, {"keys": four}, now=300, max_dropouts=2)
+    assert not states[0].live and phases[1].expected == frozenset()
 
 
 def test_members_keep_the_assigned_order_and_ignore_other_senders():
@@ -394,7 +453,7 @@ def _check_phases(phases: list[Phase], seconds: float, now: float) -> None:
             assert p.closed_at <= now
             if i + 1 < len(phases):
                 assert phases[i + 1].opened_at == p.closed_at
-    assert len(phases) == 4 or phases[-1].closed_at is None
+    assert len(phases) == len(PHASES) or phases[-1].closed_at is None
 
 
 def simulate(buckets, seconds, max_dropouts, delays, on_step=None):
@@ -403,14 +462,14 @@ def simulate(buckets, seconds, max_dropouts, delays, on_step=None):
     open; otherwise time jumps to the deadline. Returns the stored receipt times."""
     posts: dict[str, dict[str, float]] = {k: {} for k in PHASES}
     now = START
-    for _ in range(4 * (len(flat(buckets)) + 2)):
+    for _ in range(len(PHASES) * (len(flat(buckets)) + 2)):
         phases, states = schedule(buckets, posts, now, max_dropouts=max_dropouts,
                                   seconds=seconds)
         if on_step is not None:
             on_step(now, posts, phases, states)
         cur = phases[-1]
         if cur.closed_at is not None:
-            assert len(phases) == 4
+            assert len(phases) == len(PHASES)
             return posts
         pending = [(cur.opened_at + d, w) for w in cur.expected - posts[cur.name].keys()
                    if (d := delays[w][cur.name]) is not None]
@@ -449,7 +508,7 @@ def test_ledger_driven_schedule_only_moves_forward(board):
                 assert p.name not in seen, "a closed phase reopened"
         if seen_states:
             for old, new in zip(seen_states[-1], states, strict=True):
-                for field in ("members", "dealers", "survivors"):
+                for field in ("members", "dealers", "survivors", "signers"):
                     if getattr(old, field) is not None:
                         assert getattr(new, field) == getattr(old, field)
                 if not old.live:
@@ -460,7 +519,7 @@ def test_ledger_driven_schedule_only_moves_forward(board):
     now = max([START, *(t for kind in posts.values() for t in kind.values())]) + 1000.0
     final, states = schedule(buckets, posts, now, max_dropouts=max_dropouts, seconds=seconds)
     step(now, posts, final, states)
-    assert len(final) == 4 and all(p.closed_at is not None for p in final)
+    assert len(final) == len(PHASES) and all(p.closed_at is not None for p in final)
     for p in final:
         if p.closed_at < p.deadline:
             assert p.expected <= posts[p.name].keys()  # closed early only when all posted
@@ -474,8 +533,20 @@ def test_ledger_driven_schedule_only_moves_forward(board):
         event("every bucket finished")
     for st_ in states:
         if st_.live:
-            assert st_.survivors is not None and len(st_.survivors) >= 2
-            assert st_.survivors == tuple(w for w in st_.assigned if w in posts["masked"])
+            k = bucket_threshold(max_dropouts, len(st_.assigned))
+            assert k >= 2
+            for field, kind in (("members", "keys"), ("dealers", "deal"),
+                                ("survivors", "masked"), ("signers", "view")):
+                listed = getattr(st_, field)
+                # each list: the assigned that posted, in order, at least k of them
+                assert listed == tuple(w for w in st_.assigned if w in posts[kind])
+                assert len(listed) >= k
+            assert set(st_.signers) <= set(st_.survivors) <= set(st_.dealers)
+            assert set(st_.dealers) <= set(st_.members)
+            # exactly the signers reveal-expected; nobody else of the bucket
+            assert set(st_.assigned) & final[-1].expected == set(st_.signers)
+        else:
+            assert not set(st_.assigned) & final[-1].expected
 
 
 @settings(max_examples=200, deadline=None)
@@ -491,7 +562,7 @@ def test_schedule_at_any_time_is_a_prefix_of_the_final_one(board, cut):
     snapshot, _ = schedule(buckets, stored, at, max_dropouts=max_dropouts, seconds=seconds)
     final, _ = schedule(buckets, posts, at + 1000.0, max_dropouts=max_dropouts,
                         seconds=seconds)
-    assert len(snapshot) <= len(final) == 4
+    assert len(snapshot) <= len(final) == len(PHASES)
     for early, late in zip(snapshot, final, strict=False):
         if early.closed_at is not None:
             assert early == late

@@ -146,7 +146,7 @@ def test_honest_shards_assemble_without_disputes(rows):
     tau = 8.0
     results = _all_shards(rows, tau)
     settled = settle_shards(_filtered(rows, tau), results[0], {1: results[1], 2: results[2]},
-                            num_shards=V, me=0, check_seed=b"s" * 32)
+                            num_shards=V, me=0)
     assert settled.disputes == [] and all(c.ok for c in settled.checks)
     assert torch.equal(settled.aggregate, assemble_shards(results, rows.shape[1]))
 
@@ -165,8 +165,10 @@ def test_a_bad_shard_is_blamed_and_replaced_by_the_recomputed_one(rows, corrupti
     else:
         bad = None if corruption == "missing" else "does not parse"
     settled = settle_shards(_filtered(rows, tau), results[0], {1: results[1], 2: bad},
-                            num_shards=V, me=0, check_seed=b"s" * 32)
-    assert [(d.shard, d.faulty) for d in settled.disputes] == [(2, True)]
+                            num_shards=V, me=0)
+    # A result missing from the list or the board may be the ledger's doing: recomputed,
+    # its publisher not blamed; a signed file that is unusable is its publisher's fault.
+    assert [(d.shard, d.faulty) for d in settled.disputes] == [(2, corruption != "missing")]
     if corruption in ("missing", "undecodable"):
         assert settled.disputes[0].reason.startswith(("missing", "malformed"))
     assert torch.equal(settled.aggregate, assemble_shards(results, rows.shape[1]))
@@ -359,15 +361,15 @@ def test_a_result_for_another_shard_is_malformed_not_a_crash(rows, misplaced):
     else:
         bad = results[1]  # valid, but for shard 1
     settled = settle_shards(_filtered(rows, tau), results[0], {1: results[1], 2: bad},
-                            num_shards=V, me=0, check_seed=b"s" * 32)
+                            num_shards=V, me=0)
     assert [(d.shard, d.faulty) for d in settled.disputes] == [(2, True)]
     assert settled.disputes[0].reason.startswith("malformed")
     assert torch.equal(settled.aggregate, assemble_shards(results, rows.shape[1]))
 
 
-def test_honest_validators_settle_a_sparse_corruption_alike():
-    """One corrupted block of 625, sampled partly: each validator reads every checker's
-    sample, so both honest validators take the same decision under every seed."""
+def test_honest_validators_catch_a_sparse_corruption_alike_under_every_view():
+    """One corrupted block of 1875: the dense check reads every coordinate, so both honest
+    validators catch it, blame its publisher and assemble the same aggregate."""
     g = torch.Generator().manual_seed(9)
     xs = torch.randn(5, 30_000, generator=g)
     tau = 200.0
@@ -375,12 +377,10 @@ def test_honest_validators_settle_a_sparse_corruption_alike():
     agg = results[2].aggregate.clone()
     agg[4000:4016] += 1.0
     bad = dataclasses.replace(results[2], aggregate=agg)
-    decisions = []
-    for seed in range(12):
-        check_seed = bytes([seed]) * 32
-        views = [settle_shards(_filtered(xs, tau), results[me],
-                               {k: (bad if k == 2 else results[k]) for k in range(V) if k != me},
-                               num_shards=V, me=me, check_seed=check_seed) for me in (0, 1)]
-        assert torch.equal(views[0].aggregate, views[1].aggregate), seed
-        decisions.append(bool(views[0].disputes))
-    assert any(decisions), "the corruption should be caught under some seeds"
+    views = [settle_shards(_filtered(xs, tau), results[me],
+                           {k: (bad if k == 2 else results[k]) for k in range(V) if k != me},
+                           num_shards=V, me=me) for me in (0, 1)]
+    assert torch.equal(views[0].aggregate, views[1].aggregate)
+    assert torch.equal(views[0].aggregate, assemble_shards(results, xs.shape[1]))
+    assert all([(d.shard, d.faulty, d.reason) for d in v.disputes] == [(2, True, "stationarity")]
+               for v in views)

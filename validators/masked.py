@@ -40,6 +40,7 @@ from veritrain.aggregation.secure import (
     rounding_key,
     unmask_bucket,
 )
+from veritrain.protocol.board import BoardFault, open_member_post
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.messages import (
     RunSpec,
@@ -48,9 +49,10 @@ from veritrain.protocol.messages import (
     SecaggMasked,
     SecaggOpening,
     SecaggReveal,
-    open_signed,
+    SecaggView,
 )
 from veritrain.protocol.runtime import RunContext
+from veritrain.protocol.secagg import bucket_threshold, usable_x25519, view_digest, view_signers
 from veritrain.protocol.secagg_wire import advert_of, bucket_context, commitments_of, reveal_of
 
 from .checks import Candidate, admit, admit_envelope, group_by_worker
@@ -73,54 +75,128 @@ class BucketBoard:
     masked: dict[str, SecaggMasked] = field(default_factory=dict)
     reveals: list[ShareReveal] = field(default_factory=list)
     bad_reveals: list[str] = field(default_factory=list)  # holders whose shares do not parse
+    dealers: list[str] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)  # posts left out, and why
+    dropped: str | None = None  # why a listed-live bucket is out (the board did not check out)
+
+
+def _bucket_posts(spec: RunSpec, r: int, wires: list[Any], cls: type[Any], field: str,
+                  members: set[str], bucket: int, faults: list[str]) -> dict[str, Any]:
+    """The posts of one bucket bound to their members (protocol/board.py rule 1), by
+    member; the others are recorded in ``faults`` and left out, as if never sent."""
+    out: dict[str, Any] = {}
+    for wire in wires:
+        body = wire.get("body") if isinstance(wire, dict) else None
+        if not isinstance(body, dict) or body.get("bucket") != bucket:
+            continue
+        try:
+            signed = open_member_post(wire, cls, member_field=field, members=members,
+                                      run_id=spec.run_id, round_index=r, bucket=bucket)
+        except BoardFault as exc:
+            faults.append(str(exc))
+            continue
+        who = getattr(signed.message, field)
+        if who in out and out[who] != signed.message:
+            raise BoardFault(f"two different {cls.KIND} posts of {who[:12]}")
+        out[who] = signed.message
+    return out
+
+
+def _parse_bucket(spec: RunSpec, r: int, board: BucketBoard, posts: Mapping[str, list[Any]],
+                  k: int) -> None:
+    """Fill ``board`` from the posts; raise BoardFault when the board's lists are not
+    backed by signed posts or two signed views of the bucket differ."""
+    faults, b = board.faults, board.index
+    if not set(board.members) <= set(board.assigned) or len(board.members) < k:
+        raise BoardFault("the members are not k of the assigned workers")
+    keys = _bucket_posts(spec, r, posts["keys"], SecaggKeys, "worker", set(board.assigned), b,
+                         faults)
+    deals = _bucket_posts(spec, r, posts["deal"], SecaggDeal, "dealer", set(board.members), b,
+                          faults)
+    inputs = _bucket_posts(spec, r, posts["masked"], SecaggMasked, "worker",
+                           set(board.dealers), b, faults)
+    for name, listed, within, held in (("members", board.members, board.assigned, keys),
+                                       ("dealers", board.dealers, board.members, deals),
+                                       ("survivors", board.survivors, board.dealers, inputs)):
+        if (listed != sorted(set(listed)) or not set(listed) <= set(within)
+                or any(w not in held for w in listed)):
+            raise BoardFault(f"the board's {name} are not backed by their signed posts")
+    if any(not (usable_x25519(keys[w].enc_public) and usable_x25519(keys[w].mask_public))
+           for w in board.members):
+        raise BoardFault("a member's advert has a key of low order")
+    dealt = view_digest(spec.run_id, r, b, board.members, board.dealers)
+    if any(inputs[w].dealers_digest != dealt for w in board.survivors):
+        raise BoardFault("a survivor masked over other members or dealers than the board's")
+    ctx = bucket_context(spec, r, b, board.members, len(board.assigned))
+    board.ctx = ctx
+    board.adverts = {bytes.fromhex(w): advert_of(keys[w]) for w in board.members}
+    board.commitments = {bytes.fromhex(w): commitments_of(deals[w]) for w in board.dealers}
+    board.masked = {w: inputs[w] for w in board.survivors}
+    view = (board.members, board.dealers, board.survivors)
+    signed_views = _bucket_posts(spec, r, posts["view"], SecaggView, "worker",
+                                 set(board.survivors), b, faults)
+    for w, v in signed_views.items():
+        if (v.members, v.dealers, v.survivors) != view:
+            raise BoardFault(f"{w[:12]} signed another view of the bucket than the board's")
+    reveals = _bucket_posts(spec, r, posts["reveal"], SecaggReveal, "holder",
+                            set(board.survivors), b, faults)
+    for holder, rv in sorted(reveals.items()):
+        signers = view_signers(rv)
+        if (rv.members, rv.dealers, rv.survivors) != view:
+            if len(signers) >= k:
+                raise BoardFault(f"{holder[:12]} revealed on another view that k members "
+                                 "signed: the ledger showed members different views")
+            faults.append(f"{holder[:12]} revealed on another view")
+            continue
+        if len(signers) < k:
+            faults.append(f"{holder[:12]} revealed with fewer than k signatures on its view")
+            continue
+        try:
+            board.reveals.append(reveal_of(ctx, rv))
+        except (SecureAggregationError, ValueError):
+            board.bad_reveals.append(holder)
 
 
 def parse_board(spec: RunSpec, view: Mapping[str, Any]) -> tuple[list[BucketBoard],
                                                                  dict[str, SecaggOpening]]:
-    """The board's buckets and openings, every post's signature checked again.
+    """The board's buckets and openings, every post checked again (protocol/board.py).
 
-    A post that does not open (the ledger is not trusted) is left out, as if
-    never sent; a bucket whose posts cannot be parsed is marked not live.
+    A post not bound to its member, run, round and bucket is left out, as if never sent;
+    a bucket whose lists are not backed by signed posts, that has two signed views, or
+    that cannot be parsed is marked not live, with the reason in ``dropped``.
     """
     r = view["round"]
-    posts: dict[str, list[Any]] = {}
-    for kind, cls in (("keys", SecaggKeys), ("deal", SecaggDeal), ("masked", SecaggMasked),
-                      ("reveal", SecaggReveal), ("opening", SecaggOpening)):
-        posts[kind] = []
-        for wire in view["posts"][kind]:
-            try:
-                signed = open_signed(wire, cls)
-            except RejectedInput:
-                continue
-            if signed.message.run_id == spec.run_id and signed.message.round == r:
-                posts[kind].append(signed.message)
+    masked = spec.masked
+    assert masked is not None
+    posts = {kind: list(view["posts"].get(kind, [])) for kind in
+             ("keys", "deal", "masked", "view", "reveal", "opening")}
     boards = []
     for b in view["buckets"]:
         board = BucketBoard(b["index"], list(b["assigned"]), list(b["members"] or ()),
-                            list(b["survivors"] or ()), bool(b["live"]))
+                            list(b["survivors"] or ()), bool(b["live"]),
+                            dealers=list(b.get("dealers") or ()))
         if board.live:
+            k = bucket_threshold(masked["max_dropouts"], len(board.assigned))
             try:
-                board.ctx = bucket_context(spec, r, board.index, board.members)
-                member = set(board.members)
-                for k in posts["keys"]:
-                    if k.bucket == board.index and k.worker in member:
-                        board.adverts[bytes.fromhex(k.worker)] = advert_of(k)
-                for d in posts["deal"]:
-                    if d.bucket == board.index and d.dealer in member:
-                        board.commitments[bytes.fromhex(d.dealer)] = commitments_of(d)
-                for m in posts["masked"]:
-                    if m.bucket == board.index and m.worker in board.survivors:
-                        board.masked[m.worker] = m
-                for rv in posts["reveal"]:
-                    if rv.bucket == board.index and rv.holder in member:
-                        try:
-                            board.reveals.append(reveal_of(board.ctx, rv))
-                        except (SecureAggregationError, ValueError):
-                            board.bad_reveals.append(rv.holder)
-            except (SecureAggregationError, ValueError):
+                _parse_bucket(spec, r, board, posts, k)
+            except (BoardFault, SecureAggregationError, ValueError) as exc:
                 board.live = False
+                board.dropped = f"the board does not check out: {exc}"
         boards.append(board)
-    openings = {o.worker: o for o in posts["opening"]}
+    openings = {}
+    surviving = {w: bd.index for bd in boards for w in bd.survivors}
+    for wire in posts["opening"]:
+        body = wire.get("body") if isinstance(wire, dict) else None
+        worker = body.get("worker") if isinstance(body, dict) else None
+        if worker not in surviving:
+            continue
+        try:
+            o = open_member_post(wire, SecaggOpening, member_field="worker",
+                                 members={worker}, run_id=spec.run_id, round_index=r,
+                                 bucket=surviving[worker]).message
+        except BoardFault:
+            continue
+        openings[o.worker] = o
     return boards, openings
 
 
@@ -177,7 +253,7 @@ def filter_masked_round(
     bucket_of = {w: bk for bk in buckets for w in bk.board.assigned}
     for bk in buckets:
         if not bk.board.live:
-            bk.dropped = "too few members, dealers or survivors to unmask"
+            bk.dropped = bk.board.dropped or "too few members, dealers or survivors to unmask"
     for worker, c in by_worker.items():
         if worker in repeated:
             reject(worker, "duplicate", "the sealed list holds more than one submission")

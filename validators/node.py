@@ -21,7 +21,7 @@ import math
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +34,13 @@ from veritrain.ledger.client import (
     fetch_base_files,
     fetch_run,
 )
+from veritrain.protocol import dkg
 from veritrain.protocol.beacon import (
     beacon_root,
     sealed_list_digest_of,
-    shard_check_root,
     verify_fixed_beacon,
 )
+from veritrain.protocol.board import SignedOnce
 from veritrain.protocol.challenges import ChallengePolicy, max_reveal_file_bytes
 from veritrain.protocol.errors import NonFiniteError, PayloadError, RejectedInput
 from veritrain.protocol.identity import Identity
@@ -51,13 +52,9 @@ from veritrain.protocol.messages import (
     RevealReceipt,
     RoundResult,
     RunSpec,
-    ShardCheckShare,
-    ShardFindingReport,
-    ShardPublication,
     SpotReveal,
     Submission,
     digest_of,
-    max_shard_file_bytes,
     open_signed,
     sign,
 )
@@ -67,7 +64,9 @@ from veritrain.protocol.secagg import check_dealt, words_file_bytes
 from veritrain.protocol.tensors import ParamShapes, _header, all_finite, sha256_hex, split_flat
 
 from .checks import Candidate
+from .dkg import DkgNode
 from .masked import filter_masked_round, words_of
+from .membership import admitted_workers
 from .round import (
     BlobFiles,
     FilteredRound,
@@ -78,14 +77,7 @@ from .round import (
     filter_round,
     step_round,
 )
-from .sharded import (
-    Settlement,
-    compute_own_shard,
-    decode_shard_result,
-    encode_shard_result,
-    inputs_digest,
-    settle_shards,
-)
+from .sharded import ShardedRound
 
 log = logging.getLogger("veritrain.validator")
 
@@ -112,6 +104,9 @@ class ValidatorConfig:
     #: Where each round's scratch directory goes (payloads, reveals and decoded updates,
     #: removed when the round is done); None: the system's temporary directory.
     scratch_dir: Path | None = None
+    #: The JSON file where the node keeps the lists it signed, one per kind and round
+    #: (protocol/board.py ``SignedOnce``); None: in memory only.
+    signed_path: Path | None = None
 
 
 class ValidatorNode:
@@ -123,6 +118,13 @@ class ValidatorNode:
         self.me = identity.public_key.hex()
         self.stats: list[dict[str, Any]] = []  # one entry per certified round
         self.faults: list[dict[str, Any]] = []  # what went wrong, by round (never fatal)
+        self.signed_once = SignedOnce.in_file(config.signed_path)
+        self.skipped_posts: list[dict[str, Any]] = []  # board posts that did not check out
+        #: Threshold-beacon runs (specs/protocol.md 5.4a): this node's side of the run's DKG
+        #: (its secret share; None after a restart: it then verifies, never signs) and the
+        #: group result a quorum of validators signed.
+        self.dkg_node: DkgNode | None = None
+        self.dkg_result: dkg.DkgResult | None = None
 
     async def run(self, *, max_rounds: int | None = None) -> None:
         async with LedgerClient(self.config.ledger_url, retry_for=self.config.retry_for) as client:
@@ -135,6 +137,8 @@ class ValidatorNode:
                                                   max_bytes=spec.dataset_bytes, kind="dataset"))
             run = await asyncio.to_thread(RunContext.build, spec, dataset)
             log.info("validating run %s (%d parameters)", spec.run_id, run.numel)
+            if spec.threshold_beacon:
+                await self.run_dkg(client, spec)
             r = 0
             done = 0
             refused: set[int] = set()  # rounds whose board this validator will not certify
@@ -218,6 +222,8 @@ class ValidatorNode:
         if sealed is None:
             sealed = (await client.get_json(f"{base}/submissions"))["submissions"]
         digest = sealed_list_digest_of(sealed)
+        if spec.threshold_beacon:
+            return await self.threshold_beacon_seed(client, spec, r, digest)
         share = BeaconShare(run_id=run_id, round=r, validator=self.me,
                             share=self.identity.sign_bls(beacon_root(run_id, r)).hex(),
                             sealed=digest)
@@ -231,6 +237,79 @@ class ValidatorNode:
                 functools.partial(verify_fixed_beacon, spec.validators, spec.quorum, run_id, r,
                                   reply["beacon"], sealed=digest,
                                   envelopes=reply.get("envelopes")))
+        except RejectedInput as exc:
+            raise RejectedInput(f"the ledger's beacon does not verify: {exc}",
+                                "invalid_beacon") from exc
+
+    async def run_dkg(self, client: LedgerClient, spec: RunSpec) -> dkg.DkgResult:
+        """Take part in the run's DKG over the ledger's board (validators/dkg.py): each
+        phase's post once the ledger opens that phase, from the posts it served for the
+        one before (each opened and checked again here); then the result a quorum signed.
+        A node that finds the group fixed already (a restart) holds no share: it verifies
+        beacons, never signs them. ``dkg_failed`` when fewer than a quorum qualified."""
+        path = f"/v1/runs/{spec.run_id}/dkg"
+        view = await client.get_json(path)
+        if view["group"] is None and not view["failed"]:
+            node = self.dkg_node = DkgNode(self.identity, spec, signed_once=self.signed_once)
+            order = [p["kind"] for p in view["phases"]]
+            steps = {
+                "dkg_keys": lambda posts: node.keys_post(),
+                "dkg_deal": lambda posts: node.deal_post(posts["dkg_keys"]),
+                "dkg_complaint": lambda posts: node.complaint_post(posts["dkg_deal"]),
+                "dkg_justification": lambda posts: node.justification_post(
+                    posts["dkg_complaint"]),
+                "dkg_result": lambda posts: node.result_post(posts["dkg_justification"]),
+            }
+            for kind in order:
+                while view["phase"] is not None and order.index(view["phase"]) < order.index(
+                        kind):
+                    await asyncio.sleep(self.config.poll_seconds)
+                    view = await client.get_json(path)
+                try:
+                    wire = steps[kind](view["posts"])
+                except dkg.DkgFault as exc:
+                    raise RejectedInput(f"the run's DKG failed: {exc}", "dkg_failed") from exc
+                if wire is not None and view["phase"] == kind:
+                    try:
+                        await client.post_message(path, wire)
+                    except LedgerRefused as exc:  # too late for this phase: go on without it
+                        log.warning("DKG %s not taken: %s", kind, exc.detail)
+                view = await client.get_json(path)
+            while view["group"] is None and not view["failed"]:
+                await asyncio.sleep(self.config.poll_seconds)
+                view = await client.get_json(path)
+            self.skipped_posts.extend({"kind": "dkg", "fault": f} for f in node.faults)
+        try:
+            if self.dkg_node is not None:
+                self.dkg_result = self.dkg_node.adopt(view["posts"]["dkg_result"])
+            else:
+                self.dkg_result = dkg.group_result_of(spec.validators, spec.quorum,
+                                                      spec.run_id, view["posts"]["dkg_result"])
+        except dkg.DkgFault as exc:
+            raise RejectedInput(f"the run's DKG failed: {exc}", "dkg_failed") from exc
+        return self.dkg_result
+
+    async def threshold_beacon_seed(self, client: LedgerClient, spec: RunSpec, r: int,
+                                    sealed: str) -> bytes:
+        """Post this validator's partial (if it holds a share), wait for the fixed beacon
+        and check it against the group key a quorum of validators signed, for the sealed
+        list this node was served (5.4a); ``invalid_beacon`` when it does not verify."""
+        base = f"/v1/runs/{spec.run_id}/rounds/{r}"
+        if self.dkg_result is None:
+            await self.run_dkg(client, spec)
+        assert self.dkg_result is not None
+        wire = self.dkg_node.partial_post(r, sealed) if self.dkg_node is not None else None
+        if wire is not None:
+            reply = await client.post_message(f"{base}/partials", wire)
+        else:
+            reply = await client.get_json(f"{base}/partials")
+        while reply["beacon"] is None:
+            await asyncio.sleep(self.config.poll_seconds)
+            reply = await client.get_json(f"{base}/partials")
+        try:
+            return await asyncio.to_thread(
+                functools.partial(dkg.verify_threshold_beacon, self.dkg_result.group_key,
+                                  spec.run_id, r, reply["beacon"], sealed=sealed))
         except RejectedInput as exc:
             raise RejectedInput(f"the ledger's beacon does not verify: {exc}",
                                 "invalid_beacon") from exc
@@ -339,6 +418,8 @@ class ValidatorNode:
             registered.add(reg.participant)
             if p["banned_until_round"] >= r:
                 banned.add(reg.participant)
+        # Only the keys the chain admits count, whatever the list says (membership.py).
+        registered = await admitted_workers(client, spec, r, registered)
         candidates = []
         payloads = BlobFiles(scratch / "payloads")  # by submission digest, read when checked
         for wire in sealed["submissions"]:
@@ -413,8 +494,10 @@ class ValidatorNode:
              ("update", outcome.update_payload, "application/octet-stream")], kind="results")
         lap("certificate")
         rejected = [v for v in outcome.verdicts if v["status"] == "rejected"]
-        log.info("round %d: %d accepted, %d rejected, eval loss %.4f, %s (%.1fs)", r,
-                 len(outcome.accepted), len(rejected), outcome.eval_loss, reply["status"],
+        excluded = sum(v["status"] == "excluded" for v in outcome.verdicts)
+        log.info("round %d: %d accepted, %d rejected, %d excluded, eval loss %.4f, %s (%.1fs)",
+                 r, len(outcome.accepted), len(rejected), excluded, outcome.eval_loss,
+                 reply["status"],
                  time.monotonic() - started)
         self.stats.append({"round": r, "seconds": time.monotonic() - started,
                            **{f"{k}_s": v for k, v in timings.items()}})
@@ -473,121 +556,11 @@ class ValidatorNode:
 
     async def sharded_aggregate(self, client: LedgerClient, run: RunContext,
                                 filtered: FilteredRound) -> torch.Tensor:
-        """Publish this validator's shard, fix the list and check seed, settle the rest."""
-        spec = run.spec
-        r = filtered.round_index
-        me = spec.validator_index(self.me)
-        assert me is not None
-        path = f"/v1/runs/{spec.run_id}/rounds/{r}/shards"
-        own = await asyncio.to_thread(compute_own_shard, filtered, spec.shards, me)
-        published = own
-        if self.config.attack == "shard_shift":
-            published = replace(own, aggregate=own.aggregate * (1 + 1e-3))
-        blob = encode_shard_result(published)
-        digest = published.digest().hex()
-        pub = ShardPublication(run_id=spec.run_id, round=r, validator=self.me, shard=me,
-                               inputs_digest=inputs_digest(filtered), result_digest=digest,
-                               result_hash=sha256_hex(blob), result_bytes=len(blob))
-        try:
-            await client.post_multipart(path, [
-                ("publication", sign(self.identity, pub).encode(), "application/json"),
-                ("result", blob, "application/octet-stream")])
-        except LedgerRefused as exc:
-            if exc.reason == "shard_list_fixed":
-                log.warning("round %d: shard %d was late, the others recompute it", r, me)
-            elif exc.reason == "duplicate":
-                # The ledger holds another publication of this shard by this key (one sent
-                # before a restart, or a racing resend): the list takes the stored one, the
-                # others check it, and this validator goes on like a late one.
-                log.warning("round %d: the ledger already holds a publication of shard %d "
-                            "(%s); the stored one stands", r, me, exc.detail)
-            else:
-                raise
-        view = await self._shard_list(client, spec, path)
-        check = view["check"]
-        while check is None:  # a quorum of validators must sign; the round waits for it too
-            await asyncio.sleep(self.config.poll_seconds)
-            check = (await client.get_json(path))["check"]
-            if check is None and (await client.get_json(
-                    f"/v1/runs/{spec.run_id}/rounds/{r}"))["status"] == "finalized":
-                raise LedgerRefused(409, "round_finalized", "finalized before the check seed")
-        listed = check["results"]
-        pubs = {}
-        for wire in view["results"]:
-            p = open_signed(wire, ShardPublication).message
-            if p.shard != me and p.result_digest == listed[p.shard]:
-                pubs[p.shard] = p
-        others: dict[int, Any] = {}
-        for k in range(spec.shards):
-            if k == me:
-                continue
-            p = pubs.get(k)
-            if p is None:
-                others[k] = None
-                continue
-            try:
-                data = await client.get_blob(
-                    p.result_hash, max_bytes=max_shard_file_bytes(spec.num_params, spec.shards))
-                result = decode_shard_result(
-                    data, max_bytes=max_shard_file_bytes(spec.num_params, spec.shards))
-                others[k] = (result if result.digest().hex() == p.result_digest
-                             else "the file's digest differs from the published one")
-            except (LedgerRefused, RejectedInput) as exc:
-                others[k] = str(exc)[:200]
-            if p.inputs_digest != pub.inputs_digest:
-                log.warning("round %d: validator %d aggregated other rows than this one", r, k)
-        settled = await asyncio.to_thread(
-            settle_shards, filtered, own, others, num_shards=spec.shards, me=me,
-            check_seed=bytes.fromhex(check["seed"]))
-        await self._post_findings(client, spec, r, settled, listed)
-        return settled.aggregate
-
-    async def _shard_list(self, client: LedgerClient, spec: Any, path: str) -> dict[str, Any]:
-        """Wait for every shard or ``shard_wait``; sign the list (the ledger fixes the first)."""
-        deadline = time.monotonic() + self.config.shard_wait
-        view = await client.get_json(path)
-        while (view["list"] is None and time.monotonic() < deadline
-               and any(x is None for x in _published(view, spec.shards))):
-            await asyncio.sleep(self.config.poll_seconds)
-            view = await client.get_json(path)
-        while True:
-            results = view["list"] if view["list"] is not None else _published(view,
-                                                                                spec.shards)
-            share = ShardCheckShare(
-                run_id=spec.run_id, round=view["round"], validator=self.me, results=results,
-                share=self.identity.sign_bls(
-                    shard_check_root(spec.run_id, view["round"], results)).hex())
-            try:
-                await client.post_message(path + "/check", sign(self.identity, share).to_wire())
-                return await client.get_json(path)
-            except LedgerRefused as exc:
-                if exc.reason != "shard_list_fixed":
-                    raise
-                await asyncio.sleep(self.config.poll_seconds)
-                view = await client.get_json(path)
-
-    async def _post_findings(self, client: LedgerClient, spec: Any, r: int,
-                             settled: Settlement, listed: list[str | None]) -> None:
-        for d in settled.disputes:
-            if d.replacement is None and not d.faulty:
-                log.info("round %d: shard %d failed a sampled check but is exact (%s)", r,
-                         d.shard, d.reason)
-            replacement = d.replacement or settled.used[d.shard]
-            report = ShardFindingReport(
-                run_id=spec.run_id, round=r, validator=self.me, shard=d.shard,
-                publisher=spec.validators[d.shard]["ed25519"], faulty=d.faulty,
-                reason=d.reason[:200], published_digest=listed[d.shard],
-                replacement_digest=replacement.digest().hex(),
-                max_abs_deviation=(d.max_abs_deviation if d.max_abs_deviation is not None
-                                   and d.max_abs_deviation < 1e300 else None))
-            if d.faulty:
-                log.warning("round %d: shard %d of validator %d is faulty (%s); recomputed", r,
-                            d.shard, d.publisher, d.reason)
-            try:
-                await client.post_message(f"/v1/runs/{spec.run_id}/rounds/{r}/shards/findings",
-                                          sign(self.identity, report).to_wire())
-            except LedgerRefused as exc:
-                log.warning("round %d: finding on shard %d refused: %s", r, d.shard, exc)
+        """Publish this validator's shard, sign one verified list, settle the rest
+        (validators/sharded.py ``ShardedRound``)."""
+        sharded = ShardedRound(client, self.identity, self.signed_once, self.config.poll_seconds,
+                               self.config.shard_wait, self.config.attack, self.skipped_posts)
+        return await sharded.aggregate(run.spec, filtered)
 
 
 def step_from_file(run: RunContext, filtered: FilteredRound, aggregate: Any,
@@ -641,14 +614,4 @@ def read_flat_file(path: Path, shapes: ParamShapes) -> dict[str, torch.Tensor]:
             if not all_finite(t):
                 raise NonFiniteError("tensor file holds NaN or Inf")
             out[name] = t
-    return out
-
-
-def _published(view: dict[str, Any], shards: int) -> list[str | None]:
-    """Each shard's result digest in a ledger view, None where none was posted yet."""
-    out: list[str | None] = [None] * shards
-    for wire in view["results"]:
-        body = wire["body"]
-        if 0 <= body["shard"] < shards:
-            out[body["shard"]] = body["result_digest"]
     return out

@@ -7,13 +7,21 @@ knows before the round closes, so no update can be tuned to it:
 
     gain_i = L_probe(base) - L_probe(base - u_i)
 
-An update is rejected (``loss_regression``) when its gain falls far below the
-round's, by more than the probe batch's own sampling noise:
+An update is excluded from the aggregate (``loss_regression``, verdict status
+``excluded``: suspicion is not proof, so the worker is still paid, specs/scoring.md)
+when its gain falls far below the round's, by more than the probe batch's own
+sampling noise:
 
     gain_i < median(gain) - max(factor * MAD(gain), RELATIVE_MARGIN * |median(gain)|,
                                 NOISE_Z * median(se))
 
-with MAD the median absolute deviation and ``se_i`` the standard error of
+with the median, MAD (median absolute deviation) and median ``se`` taken over the
+round's distinct (gain, se) values, each counted once: identical updates share one
+probe gain, and a coordinated group sending one vector inside the honest spread
+would otherwise set the median and shrink the MAD until honest rows at the edge of
+the spread fell below the floor (issue 24: up to 10 of 90 honest rows at f = 7 of
+16). Honest updates are never bit-identical (distinct data), so without copies
+nothing changes. ``se_i`` is the standard error of
 ``gain_i`` over the probe windows (``std_w(d_iw) / sqrt(m)``, ``d_iw`` the
 loss difference on window w). Late in training honest gains are a few
 hundredths of a nat, comparable to what 16 windows can resolve; with few
@@ -113,13 +121,18 @@ def probe_gains(run: RunContext, base_flat: torch.Tensor, updates: Mapping[str, 
 
 def loss_regressions(gains: Mapping[str, ProbeGain | float], factor: float) -> dict[str, str]:
     """Workers whose gain is below the median by more than ``factor`` MADs, the median
-    itself and ``NOISE_Z`` median standard errors (plain floats: no noise)."""
+    itself and ``NOISE_Z`` median standard errors (plain floats: no noise); the median,
+    MAD and median standard error are over the distinct (gain, se) values, each once."""
     if factor <= 0 or len(gains) < MIN_UPDATES:
         return {}
     probe = {w: _as_gain(g) for w, g in gains.items()}
-    median = statistics.median(g.gain for g in probe.values())
-    mad = statistics.median(abs(g.gain - median) for g in probe.values())
-    noise = statistics.median(g.se for g in probe.values())
+    # Identical updates have identical probe gains (the probe is deterministic): each
+    # distinct gain is counted once in the round's statistics, so copies of one row
+    # cannot set the median or shrink the MAD to push honest rows below the floor.
+    distinct = sorted(set(probe.values()), key=lambda g: (g.gain, g.se))
+    median = statistics.median(g.gain for g in distinct)
+    mad = statistics.median(abs(g.gain - median) for g in distinct)
+    noise = statistics.median(g.se for g in distinct)
     floor = median - max(factor * mad, RELATIVE_MARGIN * abs(median), NOISE_Z * noise)
     return {w: f"probe loss gain {g.gain:.4g} vs round median {median:.4g} (MAD {mad:.3g}, "
                f"median se {noise:.2g}, factor {factor:g}, floor {floor:.4g})"

@@ -4,6 +4,10 @@
           -> compress the aggregate (error feedback) -> outer Nesterov step on what
           was sent -> eval loss -> verdicts and scores
 
+The norm and probe filters are suspicion, not proof: an update they flag is
+``excluded`` (kept out of the aggregate, its worker paid by its clip quality at
+the aggregate), never ``rejected`` (protocol/rules.py ``FILTER_REASONS``).
+
 Everything here is a function of its inputs (the run, the base model and
 momentum, the sealed submissions and the beacon seed), so two honest
 validators reach the same verdicts and the same model bytes, and the node
@@ -13,9 +17,10 @@ Memory does not grow with the number of updates N: payloads and reveals may
 be read one at a time from files (``BlobFiles``), each decoded update is
 written to a row file of the round's scratch directory as soon as it is
 decoded (only its norm stays), the probe reads one row back at a time, and
-CenteredClip from the median (the run default) streams over the accepted rows
-by column chunks (``aggregation.centered_clip_rows``).  Other rules, sharded
-and masked rounds aggregate an in-memory stack of the rows.
+CenteredClip from the geometric median (the run default), Krum and the geometric
+median stream over the accepted rows by column chunks: one Gram pass, then one
+combination (``aggregation.aggregate_rows``).  Other rules, sharded and masked
+rounds aggregate an in-memory stack of the rows.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from veritrain.aggregation import (
 from veritrain.protocol.beacon import derive_seed
 from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.errors import RejectedInput
+from veritrain.protocol.memory import release_free_memory
 from veritrain.protocol.outer import OuterState, encode_update, outer_step
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.scoring import compute_scores, split_rewards
@@ -93,9 +99,9 @@ def resolve_aggregator_params(params: Mapping[str, Any], updates: torch.Tensor |
                               ) -> dict[str, Any]:
     """Turn a scale-free ``tau_rel`` into this round's clipping radius.
 
-    tau = tau_rel * median_i ||x_i - med(x)||, with med the coordinate-wise
-    (lower) median and median_i the lower median: the radius follows the size
-    of the honest updates, which changes from round to round, and a Byzantine
+    tau = tau_rel * lower_median_i ||x_i - GM(x)||, with GM the weighted geometric
+    median (CenteredClip's start, from the rows' Gram matrix): the radius follows the
+    size of the honest updates, which changes from round to round, and a Byzantine
     minority cannot inflate it.  ``aggregation.clip_radius``: the very radius
     the streamed CenteredClip resolves.
     """
@@ -169,7 +175,8 @@ class StoredRows(Mapping[str, torch.Tensor]):
 
 @dataclass
 class FilteredRound:
-    """A round after every per-update check: who is rejected, and the rows to aggregate.
+    """A round after every per-update check: who is rejected or excluded, and the rows to
+    aggregate.
 
     ``accepted`` is sorted by worker; their decoded updates, in that order, are
     ``rows`` (read by column chunks, e.g. from the round's row file) or, for
@@ -196,6 +203,11 @@ class FilteredRound:
     rows_of: dict[str, int] | None = None
     rows: Rows | None = None
     scratch: ScratchDir | None = None
+    #: Workers a statistical filter kept out of the aggregate (verdict ``excluded``), sorted,
+    #: and their decoded updates in that order: they are paid by their clip quality at the
+    #: round's aggregate, as if aggregated (specs/scoring.md, "Excluded updates").
+    excluded: list[str] = field(default_factory=list)
+    excluded_rows: Rows | None = None
 
     @property
     def tau(self) -> float | None:
@@ -272,6 +284,18 @@ def filter_round(
             "checks": [], **extra,
         }
         index.pop(c.worker, None)
+
+    excluded_index: dict[str, int] = {}  # worker -> its row, kept for its clip quality
+
+    def exclude(c: Candidate, reason: str, detail: str) -> None:
+        """A statistical filter's suspicion (``FILTER_REASONS``): out of the aggregate, not
+        rejected; the checks it passed stay in its verdict."""
+        verdicts[c.worker] = {
+            "worker": c.worker, "submission_digest": c.signed.digest, "status": "excluded",
+            "reason": reason, "detail": detail[:500], "spot_checked": bool(checks.get(c.worker)),
+            "distance": None, "checks": checks.get(c.worker, []),
+        }
+        excluded_index[c.worker] = index.pop(c.worker)
     by_worker, repeated = group_by_worker(candidates)
     for worker, c in by_worker.items():
         if worker in repeated:
@@ -286,6 +310,7 @@ def filter_round(
         norms[worker] = update_norm(update)
         index[worker] = store.append(update.to(torch.float32))
         del update
+        release_free_memory()  # the codec's temporaries, before the next payload
 
     challenges = round_challenges(run, candidates, beacon_seed)
     distances: dict[str, float] = {}
@@ -296,6 +321,7 @@ def filter_round(
                                challenges.get(worker, []), reveals.get(worker), beacon_seed,
                                device=device)
         checks[worker] = [x.to_json() for x in results]
+        release_free_memory()  # the recomputation's gradients and activations
         finite = [x.distance for x in results if x.distance is not None]
         if finite:
             distances[worker] = min(max(finite), 1e300)
@@ -307,34 +333,36 @@ def filter_round(
 
     kept_norms = {w: norms[w] for w in index}
     for worker, detail in norm_outliers(kept_norms, spec.verification["norm_factor"]).items():
-        reject(by_worker[worker], "norm_outlier", detail,
-               spot_checked=bool(checks.get(worker)), checks=checks.get(worker, []))
+        exclude(by_worker[worker], "norm_outlier", detail)
 
     probe_examples, probe_factor = spec.probe
     if probe_examples > 0 and probe_factor > 0:
         rows = probe_rows(run, beacon_seed, round_index, probe_examples)
         gains = probe_gains(run, base_flat, StoredRows(store, index), rows, device=device)
         for worker, detail in loss_regressions(gains, probe_factor).items():
-            reject(by_worker[worker], "loss_regression", detail,
-                   spot_checked=bool(checks.get(worker)), checks=checks.get(worker, []))
+            exclude(by_worker[worker], "loss_regression", detail)
 
     accepted = sorted(index)
     source = store.rows([index[w] for w in accepted]) if accepted else None
+    excluded = sorted(excluded_index)
+    excluded_rows = (store.rows([excluded_index[w] for w in excluded]) if excluded
+                     else None)
     params = dict(spec.aggregator["params"])
     stacked = None
     if spec.shards and source is not None:  # shards are cut from the in-memory stack
         stacked = source.read(0, source.numel)
         params = resolve_aggregator_params(params, stacked)
     return FilteredRound(round_index, verdicts, by_worker, checks, distances, accepted,
-                         stacked, params, rows=source, scratch=owned)
+                         stacked, params, rows=source, scratch=owned, excluded=excluded,
+                         excluded_rows=excluded_rows)
 
 
 def aggregate_locally(run: RunContext, filtered: FilteredRound, beacon_seed: bytes
                       ) -> RowsAggregate | None:
     """The run's aggregator over the accepted rows, computed by this validator alone.
 
-    ``aggregation.aggregate_rows``: CenteredClip from the median streams over the rows
-    (resolving ``tau_rel`` on the way) and returns its radius and clip factors.
+    ``aggregation.aggregate_rows``: CenteredClip from the geometric median streams over
+    the rows (resolving ``tau_rel`` on the way) and returns its radius and clip factors.
     """
     source = filtered.source()
     if source is None:
@@ -367,7 +395,8 @@ def step_round(
 ) -> OuterStepped:
     """Compress the round's aggregate (error feedback) and take the outer step on what was
     sent; the clip qualities min(1, tau / ||x_i - v||) come with an aggregate from
-    ``aggregate_locally``, otherwise (a sharded aggregate) from the rows.
+    ``aggregate_locally``, otherwise (a sharded aggregate) from the rows. An excluded
+    update's quality is the same formula at the same ``tau`` and ``v``, from its row.
 
     ``aggregate`` is None when no update was accepted (the outer step then applies
     momentum alone). Nothing returned refers to ``base_flat`` or ``outer``; an ``outer``
@@ -380,12 +409,16 @@ def step_round(
     if vector is not None and source is not None:
         if isinstance(aggregate, RowsAggregate) and aggregate.clip_factors is not None:
             per_row = [float(f) for f in aggregate.clip_factors.tolist()]
+            tau = aggregate.tau
         else:
             tau = aggregate.tau if isinstance(aggregate, RowsAggregate) else filtered.tau
             if tau is None and "tau_rel" in filtered.params:
                 tau = clip_radius(source, filtered.params["tau_rel"])
             per_row = clip_quality(source, vector, tau)
         quality = {w: per_row[i] for w, i in filtered.row_index().items()}
+        if filtered.excluded_rows is not None:  # paid as if aggregated (scoring.md)
+            quality.update(zip(filtered.excluded,
+                               clip_quality(filtered.excluded_rows, vector, tau), strict=True))
     else:
         vector = torch.zeros_like(base_flat)
         quality = {}
@@ -418,7 +451,7 @@ def conclude_round(run: RunContext, filtered: FilteredRound, stepped: OuterStepp
             "reason": "", "detail": "", "spot_checked": bool(checks.get(worker)),
             "distance": None, "checks": checks.get(worker, []),
         }
-    kept = set(accepted)
+    kept = set(accepted) | set(filtered.excluded)  # excluded: verified work, paid
     samples = {w: (by_worker[w].signed.message.samples if w in kept else 0) for w in verdicts}
     scores = compute_scores(samples, quality)
     rewards = split_rewards(scores, spec.rewards["per_round"])

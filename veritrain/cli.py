@@ -124,6 +124,13 @@ def _settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.codec:
         settings["codec"] = {"name": args.codec,
                              "params": _json_option(args.codec_params, "--codec-params", {})}
+    from veritrain.admission import admission_settings
+
+    admission = admission_settings(
+        args.admission, min_bond=args.min_bond, slash_share=args.slash_share,
+        unbonding_rounds=args.unbonding_rounds, treasury=args.treasury, issuers=args.issuer or [])
+    if admission is not None:
+        settings["admission"] = admission
     return settings
 
 
@@ -153,6 +160,37 @@ def cmd_run_create(args: argparse.Namespace) -> int:
     print(f"created run {reply['run_id']}: task {spec.task['name']}, {spec.num_params} parameters, "
           f"dataset {spec.dataset_bytes} bytes ({spec.dataset_hash[:12]}), genesis "
           f"{spec.genesis_model_hash[:12]}, {len(spec.validators)} validator(s), quorum {spec.quorum}")
+    return 0
+
+
+def cmd_admit(args: argparse.Namespace) -> int:
+    from veritrain.admission import admit, worker_key
+
+    _check_ledger_url(args.ledger)
+    key = _read_key(args.key)
+    worker = worker_key(args.worker)
+    if args.revoke and args.until_round is not None:
+        raise SystemExit("--until-round is for a ticket, not with --revoke")
+    print(asyncio.run(admit(args.ledger, key, args.run, worker, until_round=args.until_round,
+                            revoke=args.revoke)))
+    return 0
+
+
+def cmd_bond(args: argparse.Namespace) -> int:
+    from veritrain.admission import deposit, withdraw, worker_key
+
+    _check_ledger_url(args.ledger)
+    key = _read_key(args.key)
+    if args.amount is not None and args.amount <= 0:
+        raise SystemExit("--amount counts units: 1 or more")
+    if args.bond_command == "deposit":
+        if args.amount is None:
+            raise SystemExit("bond deposit needs --amount B")
+        line = asyncio.run(deposit(args.ledger, key, args.run, worker_key(args.worker),
+                                   args.amount, args.reference))
+    else:
+        line = asyncio.run(withdraw(args.ledger, key, args.run, args.amount, args.round))
+    print(line)
     return 0
 
 
@@ -342,7 +380,61 @@ def build_parser() -> argparse.ArgumentParser:
                    '\'{"rank": 8, "bits": 3, "layout": "model"}\' for lowrank')
     c.add_argument("--feedback-decay", type=float,
                    help="share of the error-feedback residual workers keep each round (default 1)")
+    c.add_argument("--admission", choices=["open", "allowlist", "bond"],
+                   help="who may work: anyone (open, the default), keys with a ticket "
+                   "(`veritrain admit`), or keys with a bond (`veritrain bond deposit`)")
+    c.add_argument("--min-bond", type=int, metavar="B",
+                   help="bond: units a worker's bond must hold to be admitted")
+    c.add_argument("--slash-share", type=float,
+                   help="bond: share of the bond a failed check takes (default 0.5)")
+    c.add_argument("--unbonding-rounds", type=int, metavar="R",
+                   help="bond: rounds ahead a withdrawal takes effect (default 2)")
+    c.add_argument("--treasury", metavar="KEY",
+                   help="bond: key (hex or .pub.json) whose deposits count (default: the "
+                   "organiser's)")
+    c.add_argument("--issuer", action="append", metavar="KEY",
+                   help="allowlist: another key (hex or .pub.json) whose tickets count "
+                   "(repeat)")
     c.set_defaults(func=cmd_run_create)
+
+    ad = sub.add_parser("admit", parents=[verbose],
+                        help="admit a worker to an allowlist run (or revoke it)",
+                        description="Sign an admission ticket for --worker with the organiser "
+                        "(or a delegated issuer) key and post it to the ledger: it admits the "
+                        "key from the first round not yet closed up to --until-round. With "
+                        "--revoke, end every earlier ticket of the worker instead.")
+    ad.add_argument("--ledger", required=True, help="ledger URL")
+    ad.add_argument("--key", required=True, help="organiser (or issuer) key file")
+    ad.add_argument("--run", help="run id (default: the ledger's only active run)")
+    ad.add_argument("--worker", required=True, help="worker key: hex or its .pub.json")
+    ad.add_argument("--until-round", type=int, metavar="R",
+                    help="the ticket's expiry: it admits rounds before R (default: the "
+                    "run's last round)")
+    ad.add_argument("--revoke", action="store_true", help="revoke the worker's tickets")
+    ad.set_defaults(func=cmd_admit)
+
+    bond = sub.add_parser("bond", help="bond commands (runs with --admission bond)"
+                          ).add_subparsers(dest="bond_command", required=True,
+                                           metavar="SUBCOMMAND")
+    bd = bond.add_parser("deposit", parents=[verbose], help="record a deposit to a bond",
+                         description="Sign, with the run's treasury key, a deposit of --amount "
+                         "units to --worker's bond and post it to the ledger (how the money "
+                         "moved is recorded only as --reference).")
+    bw = bond.add_parser("withdraw", parents=[verbose], help="withdraw a worker's own bond",
+                         description="Sign, with the worker's key, a withdrawal from its bond, "
+                         "effective after the run's unbonding period; refused while one of "
+                         "its rounds is pending its checks.")
+    for b in (bd, bw):
+        b.add_argument("--ledger", required=True, help="ledger URL")
+        b.add_argument("--run", help="run id (default: the ledger's only active run)")
+        b.add_argument("--amount", type=int, metavar="B", help="units")
+        b.set_defaults(func=cmd_bond)
+    bd.add_argument("--key", required=True, help="treasury (by default organiser) key file")
+    bd.add_argument("--worker", required=True, help="worker key: hex or its .pub.json")
+    bd.add_argument("--reference", default="", help="the treasury's record of the payment")
+    bw.add_argument("--key", required=True, help="the worker's key file")
+    bw.add_argument("--round", type=int, metavar="R",
+                    help="round it takes effect (default: the earliest allowed)")
 
     led = sub.add_parser("ledger", help="ledger commands").add_subparsers(
         dest="ledger_command", required=True, metavar="SUBCOMMAND")
@@ -498,7 +590,8 @@ def _failed(args: argparse.Namespace, exc: BaseException) -> int:
     if args.verbose:
         traceback.print_exc()
     command = " ".join(c for c in (args.command, getattr(args, "run_command", None),
-                                   getattr(args, "ledger_command", None)) if c)
+                                   getattr(args, "ledger_command", None),
+                                   getattr(args, "bond_command", None)) if c)
     print(f"veritrain {command}: {failure_line(exc)}", file=sys.stderr)
     return 1
 

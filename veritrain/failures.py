@@ -18,6 +18,8 @@ REFUSAL_HINTS = {
     "unknown_worker": "register the worker first (`veritrain worker` does at start)",
     "unknown_validator": "is the key one of the run's validators?",
     "banned": "this key is banned for the rounds the ledger says",
+    "not_admitted": "the run admits only keys its organiser ticketed (`veritrain admit`) or "
+                    "bonded (`veritrain bond deposit`)",
 }
 
 

@@ -5,10 +5,20 @@ round's beacon to deal it into a bucket, then walks the board's phases:
 
     keys    fresh X25519 keys for share transport and pairwise masks
     deal    Shamir shares of its self-mask seed and mask key, sealed to each member
-    masked  its clipped, quantized update plus every mask, and the words file
-    reveal  once the board fixed the survivors U: seed shares of U, key shares of
-            the dealers that dropped, never both for one dealer; and nothing at all
-            when U is below the threshold (the sum would expose too few inputs)
+    masked  its clipped, quantized update plus every mask, and the words file,
+            naming the digest of the members and dealers it masked over
+    view    its signature on the view it acted on: members, dealers, survivors U
+    reveal  once k members signed exactly that view (their signatures go with it):
+            seed shares of U, key shares of the dealers that dropped, never both for
+            one dealer; and nothing at all when U is below the threshold
+
+Nothing served is taken on trust (protocol/board.py): every post must be signed by
+the member it names, for this run, round and bucket; every list the board serves
+must be backed by those posts and reach k, the threshold that follows from the
+beacon's deal alone; the node signs one dealer view and one survivor view per round
+(``SignedOnce``). A board that fails any of this ends the walk with nothing more sent
+(``board fault``), so a ledger showing members different views learns no more than
+the bucket sum.
 
 Before it deals any share it checks the deal itself: the beacon's shares
 against the validators' BLS keys, its own submission in the sealed list, and the
@@ -44,6 +54,7 @@ from veritrain.aggregation.secure import (
 )
 from veritrain.ledger.client import LedgerClient, LedgerRefused
 from veritrain.protocol.beacon import sealed_list_digest_of, verify_fixed_beacon
+from veritrain.protocol.board import BoardFault, SignedOnce, open_member_post
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import (
@@ -52,11 +63,12 @@ from veritrain.protocol.messages import (
     SecaggKeys,
     SecaggMasked,
     SecaggOpening,
+    SecaggView,
     Submission,
     open_signed,
     sign,
 )
-from veritrain.protocol.secagg import check_dealt
+from veritrain.protocol.secagg import bucket_threshold, check_dealt, usable_x25519, view_digest
 from veritrain.protocol.secagg_wire import (
     advert_of,
     bucket_context,
@@ -65,6 +77,7 @@ from veritrain.protocol.secagg_wire import (
     keys_message,
     reveal_message,
     sealed_for,
+    view_message,
 )
 
 log = logging.getLogger("veritrain.worker")
@@ -78,7 +91,8 @@ class MaskedRound:
     """One round's walk through the board for one worker."""
 
     def __init__(self, client: LedgerClient, spec: RunSpec, identity: Identity, r: int, *,
-                 poll_seconds: float = 0.5, attack: str | None = None) -> None:
+                 poll_seconds: float = 0.5, attack: str | None = None,
+                 signed_once: SignedOnce | None = None) -> None:
         if attack is not None and attack not in SECAGG_ATTACKS:
             raise ValueError(f"unknown board attack {attack!r}; expected one of {SECAGG_ATTACKS}")
         self.client, self.spec, self.identity, self.r = client, spec, identity, r
@@ -88,6 +102,10 @@ class MaskedRound:
         self.path = f"/v1/runs/{spec.run_id}/rounds/{r}/secagg"
         self.opening: MaskOpening | None = None
         self.bucket: int | None = None
+        #: the views this node signed (board.py rule 3); the node may pass its own, kept
+        #: on disk; a fresh one is enough while secrets die with the process anyway.
+        self.once = signed_once if signed_once is not None else SignedOnce()
+        self.faults: list[str] = []  # what the board served that did not check out
 
     async def _view(self, until: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
         """Poll the board (of this worker's bucket once known) until ``until`` holds."""
@@ -124,8 +142,23 @@ class MaskedRound:
             return False
 
     async def run(self, update: torch.Tensor) -> str:
-        """Take part in the round's bucket with ``update``; returns how it ended."""
+        """Take part in the round's bucket with ``update``; returns how it ended.
+
+        A board that does not check out (a post not bound to its member, a list not
+        backed by signed posts, fewer than k of anything, a second view) ends the walk
+        with nothing more sent: it is logged, never raised."""
+        try:
+            return await self._walk(update)
+        except BoardFault as exc:
+            self.faults.append(str(exc))
+            log.error("round %d: the board does not check out, nothing more sent: %s",
+                      self.r, exc)
+            return f"board fault: {exc}"
+
+    async def _walk(self, update: torch.Tensor) -> str:
         spec, r, me = self.spec, self.r, self.me
+        masked_spec = spec.masked
+        assert masked_spec is not None
         view = await self._view(lambda v: True)
         # The deal's check (BLS pairings, ~0.3 s each) runs while the keys go out: fresh
         # public keys reveal nothing, and no share is dealt before the check passed.
@@ -135,6 +168,7 @@ class MaskedRound:
             if not mine:
                 return "no bucket" if await self._checked(check) else "invalid board"
             self.bucket = mine[0]["index"]
+            assigned = list(mine[0]["assigned"])
             secrets = generate_secrets(bytes.fromhex(me))
             if not await self._post("keys", keys_message(spec, r, self.bucket, secrets)):
                 return "keys refused"
@@ -143,15 +177,20 @@ class MaskedRound:
                 return "invalid board"
         finally:
             check.cancel()  # a no-op once it finished
-        st = view["buckets"][0]
-        if not st["live"] or me not in st["members"]:
+        k = bucket_threshold(masked_spec["max_dropouts"], len(assigned))
+        st = self._bucket_state(view)
+        if st["assigned"] != assigned:
+            raise BoardFault("the board changed this bucket's assigned members")
+        keys = self._posts(view, "keys", SecaggKeys, "worker", set(assigned))
+        members = self._listed(st, "members", keys, set(assigned), k)
+        if members is None:
             return "bucket did not form"
-        ctx = bucket_context(spec, r, self.bucket, st["members"])
-        adverts = {}
-        for wire in view["posts"]["keys"]:
-            msg = open_signed(wire, SecaggKeys).message
-            if msg.worker in st["members"]:
-                adverts[bytes.fromhex(msg.worker)] = advert_of(msg)
+        for w in members:
+            if not (usable_x25519(keys[w].enc_public) and usable_x25519(keys[w].mask_public)):
+                raise BoardFault(f"the board lists {w[:12]}, whose advert has a key of low "
+                                 "order (an honest ledger refuses it)")
+        adverts = {bytes.fromhex(w): advert_of(keys[w]) for w in members}
+        ctx = bucket_context(spec, r, self.bucket, members, len(assigned))
         commitments, sealed = deal_shares(ctx, secrets, adverts)
         if not await self._post("deal", deal_message(spec, ctx, commitments, sealed)):
             return "deal refused"
@@ -159,28 +198,32 @@ class MaskedRound:
             log.warning("round %d: dropping out after dealing (evaluation attack)", r)
             return "dropped out"
         view = await self._view(self._closed("deal"))
-        st = view["buckets"][0]
-        if not st["live"] or me not in st["dealers"]:
+        st = self._bucket_state(view)
+        deals = self._posts(view, "deal", SecaggDeal, "dealer", set(members))
+        dealers = self._listed(st, "dealers", deals, set(members), k)
+        if dealers is None:
             return "too few dealers"
         held: dict[bytes, HeldShare] = {}
-        for wire in view["posts"]["deal"]:
-            deal = open_signed(wire, SecaggDeal).message
-            box = sealed_for(deal, me)
-            if deal.dealer not in st["dealers"] or box is None:
-                continue
+        for w in dealers:
+            box = sealed_for(deals[w], me)
             try:
-                held[bytes.fromhex(deal.dealer)] = open_shares(ctx, secrets, adverts,
-                                                              commitments_of(deal), box)
+                if box is None:
+                    raise ShareVerificationError(bytes.fromhex(w), "no shares sealed to me")
+                held[bytes.fromhex(w)] = open_shares(ctx, secrets, adverts,
+                                                     commitments_of(deals[w]), box)
             except ShareVerificationError as exc:
-                log.warning("round %d: shares from %s do not open: %s", r, deal.dealer[:12], exc)
-        dealers = [bytes.fromhex(w) for w in st["dealers"]]
-        masked, self.opening = await asyncio.to_thread(mask_update, ctx, secrets, adverts,
-                                                       dealers, update)
+                self.faults.append(f"dealer {w}: {exc}")
+                log.warning("round %d: shares from %s do not open: %s", r, w[:12], exc)
+        dealt = view_digest(spec.run_id, r, self.bucket, members, dealers)
+        self.once.claim("secagg_dealers", spec.run_id, r, dealt)
+        masked, self.opening = await asyncio.to_thread(
+            mask_update, ctx, secrets, adverts, [bytes.fromhex(w) for w in dealers], update)
         data = np.ascontiguousarray(masked.words, dtype="<u4").tobytes()
         post = SecaggMasked(run_id=spec.run_id, round=r, bucket=self.bucket, worker=me,
                             commitment=masked.commitment.hex(),
                             input_digest=masked.digest().hex(),
-                            words_hash=hashlib.sha256(data).hexdigest(), words_bytes=len(data))
+                            words_hash=hashlib.sha256(data).hexdigest(), words_bytes=len(data),
+                            dealers_digest=dealt)
         try:
             await self.client.post_multipart(f"{self.path}/masked", [
                 ("envelope", sign(self.identity, post).encode(), "application/json"),
@@ -191,17 +234,101 @@ class MaskedRound:
                 return "masked input refused"
         await self.open_if_challenged()
         view = await self._view(self._closed("masked"))
-        st = view["buckets"][0]
-        if not st["live"] or me not in st["survivors"]:
+        st = self._bucket_state(view)
+        inputs = self._posts(view, "masked", SecaggMasked, "worker", set(dealers))
+        survivors = self._listed(st, "survivors", inputs, set(dealers), k)
+        if survivors is None:
             return "too few survivors: nothing revealed"
-        reveal = reveal_shares(ctx, bytes.fromhex(me), held, [bytes.fromhex(w)
-                                                             for w in st["survivors"]])
-        message = reveal_message(spec, ctx, reveal, st["survivors"])
+        for w in survivors:
+            if inputs[w].dealers_digest != dealt:
+                raise BoardFault(f"survivor {w[:12]} masked over other members or dealers "
+                                 "than this worker was shown")
+        mine_view = view_message(spec, r, self.bucket, me, members, dealers, survivors)
+        self.once.claim("secagg_view", spec.run_id, r, view_digest(
+            spec.run_id, r, self.bucket, members, dealers, survivors))
+        if not await self._post("view", mine_view):
+            return "view refused"
+        view = await self._view(self._closed("view"))
+        signatures = self._view_signatures(view, mine_view, set(survivors), k)
+        reveal = reveal_shares(ctx, bytes.fromhex(me), held,
+                               [bytes.fromhex(w) for w in survivors])
+        message = reveal_message(spec, ctx, reveal, mine_view, signatures)
         if self.attack == "forge_reveal":
             message = _forged(message)
         if not await self._post("reveal", message):
             return "reveal refused"
         return "revealed"
+
+    def _bucket_state(self, view: dict[str, Any]) -> dict[str, Any]:
+        states = [b for b in view["buckets"] if b.get("index") == self.bucket]
+        if len(states) != 1:
+            raise BoardFault(f"the board does not show bucket {self.bucket} once")
+        return states[0]
+
+    def _posts(self, view: dict[str, Any], kind: str, cls: type[Any], field: str,
+               members: set[str]) -> dict[str, Any]:
+        """This bucket's posts of ``kind`` bound to their members (board.py rule 1), by
+        member; a post that does not check out is recorded and skipped, a member with two
+        different posts is a fault of the board."""
+        out: dict[str, Any] = {}
+        for wire in view["posts"].get(kind, []):
+            try:
+                msg = open_member_post(wire, cls, member_field=field, members=members,
+                                       run_id=self.spec.run_id, round_index=self.r,
+                                       bucket=self.bucket).message
+            except BoardFault as exc:
+                self.faults.append(str(exc))
+                log.warning("round %d: skipped a %s post: %s", self.r, kind, exc)
+                continue
+            who = getattr(msg, field)
+            if who in out and out[who] != msg:
+                raise BoardFault(f"the board shows two {kind} posts of {who[:12]}")
+            out[who] = msg
+        return out
+
+    def _listed(self, st: dict[str, Any], name: str, posts: dict[str, Any], within: set[str],
+                k: int) -> list[str] | None:
+        """The board's list ``name`` once it checks out: sorted, within the previous
+        phase's list, each entry backed by a signed post, this worker in it; None (the
+        bucket cannot finish here) when it is not live or shorter than k."""
+        listed = st.get(name)
+        if not st.get("live") or not isinstance(listed, list) or self.me not in listed:
+            return None
+        if listed != sorted(set(listed)) or not set(listed) <= within:
+            raise BoardFault(f"the board's {name} are not a sorted subset of the last phase's")
+        missing = [w for w in listed if w not in posts]
+        if missing:
+            raise BoardFault(f"the board lists {len(missing)} {name} without their signed post")
+        if len(listed) < k:
+            log.warning("round %d: %d %s, fewer than k = %d: this worker stops", self.r,
+                        len(listed), name, k)
+            return None
+        return listed
+
+    def _view_signatures(self, view: dict[str, Any], mine: SecaggView, survivors: set[str],
+                         k: int) -> list[dict[str, str]]:
+        """The survivors' signatures on exactly this worker's view (its own included), at
+        least k of them; a signed view that differs is the ledger's equivocation (or a
+        member's) and this worker reveals nothing."""
+        signatures = []
+        for wire in view["posts"].get("view", []):
+            try:
+                signed = open_member_post(wire, SecaggView, member_field="worker",
+                                          members=survivors, run_id=self.spec.run_id,
+                                          round_index=self.r, bucket=self.bucket)
+            except BoardFault as exc:
+                self.faults.append(str(exc))
+                continue
+            if (signed.message.members, signed.message.dealers, signed.message.survivors) != (
+                    mine.members, mine.dealers, mine.survivors):
+                raise BoardFault(f"{signed.signer[:12]} signed another view of this bucket: "
+                                 "the board shows its members different views")
+            if all(s["worker"] != signed.signer for s in signatures):
+                signatures.append({"worker": signed.signer, "signature": signed.signature})
+        if len(signatures) < k:
+            raise BoardFault(f"{len(signatures)} signatures on this worker's view, fewer than "
+                             f"k = {k}: nothing revealed")
+        return sorted(signatures, key=lambda s: s["worker"])
 
     async def _checked(self, check: asyncio.Task[None]) -> bool:
         """Whether the deal's check passed (a failure is logged: this worker stops here)."""

@@ -1,0 +1,101 @@
+"""The threshold beacon of specs/protocol.md 5.4a over HTTP (issue 26): real ValidatorNodes
+run the run's DKG on a loopback ledger, a round's beacon is the group signature combined
+from any quorum of partials (the same seed whichever quorum signed), a forged partial is
+refused with its reason and does not block the round, the round finalizes on that seed,
+and ``audit verify`` re-checks the fixed beacon against the group key."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from fakes import validator_identities
+from ledger_harness import Api, reveal_all, run_api
+from test_validator_http import honest, submit_all, synthetic_settings
+from veritrain.ledger.audit import fetch_events, verify_events
+from veritrain.ledger.client import LedgerClient
+from veritrain.protocol import dkg
+from veritrain.protocol.beacon import beacon_seed_of, sealed_list_digest_of
+from veritrain.protocol.identity import Identity
+from veritrain.protocol.messages import sign
+from veritrain.protocol.organiser import build_run
+from veritrain.protocol.runtime import RunContext
+from veritrain.validators.node import ValidatorConfig, ValidatorNode
+
+RUN = "threshold-run"
+
+
+def test_threshold_beacon_round_over_http(tmp_path):
+    organiser = Identity.generate("organiser")
+    validators = validator_identities(3)
+    settings = synthetic_settings()
+    settings["verification"]["beacon"] = "threshold"
+    bundle = build_run(organiser, RUN, settings, [v.public for v in validators], quorum=2)
+    spec = bundle.signed.message
+    assert spec.threshold_beacon
+    run = RunContext.build(spec, bundle.dataset)
+    base = run.decode_model(bundle.genesis)
+    workers = [Identity.generate("worker") for _ in range(2)]
+    preps = {w.public_key.hex(): honest(run, base, w) for w in workers}
+    prepared = {k: (p.signed.message, p.payload) for k, p in preps.items()}
+
+    async def scenario(api: Api):
+        await submit_all(api, bundle, workers, prepared)
+        nodes = [ValidatorNode(ValidatorConfig(ledger_url=api.url, run_id=RUN,
+                                               poll_seconds=0.05), v) for v in validators]
+        async with LedgerClient(api.url, retry_for=5.0) as client:
+            groups = await asyncio.gather(*(n.run_dkg(client, spec) for n in nodes))
+            assert len({g.group_key for g in groups}) == 1
+            assert all(n.dkg_node.share is not None for n in nodes)
+            view = (await api.get(f"/v1/runs/{RUN}/dkg"))[1]
+            assert view["group"]["group_key"] == groups[0].group_key
+
+            sealed = (await client.get_json(f"/v1/runs/{RUN}/rounds/0/submissions"))[
+                "submissions"]
+            digest = sealed_list_digest_of(sealed)
+            # A partial under a wrong share, properly signed by validator 0: refused with
+            # its reason, nothing stored.
+            root = dkg.threshold_beacon_root(RUN, 0, digest)
+            forged = dkg.BeaconPartial(
+                run_id=RUN, round=0, validator=validators[0].public_key.hex(), sealed=digest,
+                partial=dkg.partial_sign((nodes[0].dkg_node.share + 1) % dkg.R, root).hex())
+            status, body = await api.post_json(f"/v1/runs/{RUN}/rounds/0/partials",
+                                               sign(validators[0], forged).to_wire())
+            assert status >= 400 and body["reason"] == "bad_signature", body
+            assert "public key share" in body["detail"]
+            first = asyncio.create_task(nodes[2].beacon_seed(client, spec, 0))
+            await asyncio.sleep(0.3)
+            assert not first.done()  # one partial is not a quorum
+            seeds = [await nodes[0].beacon_seed(client, spec, 0), await first,
+                     await nodes[1].beacon_seed(client, spec, 0)]
+            partials = (await api.get(f"/v1/runs/{RUN}/rounds/0/partials"))[1]
+            await reveal_all(api, run, preps, workers)
+            for node in nodes[:2]:
+                info = await client.get_json(f"/v1/runs/{RUN}/rounds/0")
+                await node.validate_round(client, run, info)
+            summary = (await api.get(f"/v1/runs/{RUN}/rounds/0"))[1]
+            results = (await api.get(f"/v1/runs/{RUN}/rounds/0/results"))[1]
+            ledger_key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
+            audit = verify_events(await fetch_events(client, RUN), ledger_key)
+        return groups[0], seeds, partials, summary, results, audit
+
+    group, seeds, partials, summary, results, audit = run_api(tmp_path, scenario)
+    assert len(set(seeds)) == 1 and len(seeds[0]) == 32
+    fixed = partials["beacon"]
+    assert bytes.fromhex(beacon_seed_of(fixed)) == seeds[0]
+    # Every quorum of the stored partials combines to the same signature, hence seed.
+    got = {spec_index(w): bytes.fromhex(w["body"]["partial"]) for w in partials["partials"]}
+    assert len(got) == 3
+    for pair in itertools.combinations(sorted(got), 2):
+        sig = dkg.combine({j: got[j] for j in pair}, 2)
+        assert sig.hex() == fixed["signature"]
+        assert dkg.verify_group_signature(group.group_key, dkg.threshold_beacon_root(
+            RUN, 0, partials["partials"][0]["body"]["sealed"]), sig)
+    assert summary["status"] == "finalized", summary
+    assert {r["body"]["beacon_seed"] for r in results["results"]} == {seeds[0].hex()}
+    assert audit.ok, audit.problem
+
+
+def spec_index(wire) -> int:
+    keys = [v.public_key.hex() for v in validator_identities(3)]
+    return keys.index(wire["body"]["validator"])

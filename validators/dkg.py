@@ -1,0 +1,163 @@
+"""A validator's side of the run's DKG and of the threshold beacon (specs/protocol.md 5.4a).
+
+Sans I/O: each phase method takes the wires the ledger's board served for the previous
+phase and returns the signed wire this validator posts (or None). Every served post is
+opened with ``board.members_posts`` (signature in its domain, signer = the validator it
+names, this run and round 0); what does not check out is recorded in ``faults`` and
+skipped. The deal, the result and each round's partial are signed once
+(``SignedOnce``), so a board that shows two views gets at most one of each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from veritrain.protocol import bls, dkg
+from veritrain.protocol.board import SignedOnce, members_posts
+from veritrain.protocol.identity import Identity
+from veritrain.protocol.messages import Message, RunSpec, Signed, sign
+
+#: The DKG's posts carry round 0 (they precede the first round; the kind separates them).
+DKG_ROUND = 0
+
+
+class DkgNode:
+    """One validator in one run's DKG; afterwards it holds its secret share."""
+
+    def __init__(self, identity: Identity, spec: RunSpec, *,
+                 signed_once: SignedOnce | None = None) -> None:
+        self.identity = identity
+        self.spec = spec
+        self.members = [v["ed25519"] for v in spec.validators]
+        self.me = identity.public_key.hex()
+        index = spec.validator_index(self.me)
+        if index is None:
+            raise ValueError("this key is not one of the run's validators")
+        self.index = index
+        self.n, self.quorum = len(self.members), spec.quorum
+        self.once = signed_once or SignedOnce()
+        self.faults: list[str] = []
+        self._enc = X25519PrivateKey.generate()
+        self._dealing: dkg.Dealing | None = None
+        self._deals: dict[int, list[Signed[dkg.DkgDeal]]] = {}
+        self._opened: dict[int, int] = {}
+        self._complaints: dict[int, list[int]] = {}
+        self.qualification: dkg.Qualification | None = None
+        self.result: dkg.DkgResult | None = None
+        self.share: int | None = None
+
+    def _posts(self, wires: Any, cls: type[Any]) -> dict[int, list[Signed[Any]]]:
+        field = "dealer" if cls in (dkg.DkgDeal, dkg.DkgJustification) else "validator"
+        return members_posts(wires, cls, member_field=field, members=self.members,
+                             run_id=self.spec.run_id, round_index=DKG_ROUND, faults=self.faults)
+
+    def _sign(self, msg: Message) -> dict[str, Any]:
+        return sign(self.identity, msg).to_wire()
+
+    # phase 1
+    def keys_post(self) -> dict[str, Any]:
+        """This validator's fresh X25519 key for the DKG."""
+        return self._sign(dkg.DkgKeys(run_id=self.spec.run_id, round=DKG_ROUND,
+                                      validator=self.me, enc_public=dkg.x25519_public(self._enc)))
+
+    # phase 2
+    def deal_post(self, served_keys: Any) -> dict[str, Any]:
+        """Deal to every validator whose (single) key post checks out."""
+        keys: list[str | None] = [None] * self.n
+        for k, posts in self._posts(served_keys, dkg.DkgKeys).items():
+            if len(posts) == 1:
+                keys[k] = posts[0].message.enc_public
+        if self._dealing is None:
+            self._dealing = dkg.deal(run_id=self.spec.run_id, round_index=DKG_ROUND,
+                                     dealer=self.index, dealer_key=self.me, quorum=self.quorum,
+                                     enc_secret=self._enc, enc_keys=keys)
+        signed = sign(self.identity, self._dealing.deal)
+        self.once.claim("dkg_deal", self.spec.run_id, DKG_ROUND, signed.digest)
+        return signed.to_wire()
+
+    # phase 3
+    def complaint_post(self, served_deals: Any) -> dict[str, Any]:
+        """Open this validator's share of every deal; accuse those that do not verify."""
+        self._deals = self._posts(served_deals, dkg.DkgDeal)
+        single = {i: p[0].message for i, p in self._deals.items() if len(p) == 1}
+        self._opened, accused = dkg.accusations(self._enc, single, me=self.index, n=self.n,
+                                                quorum=self.quorum)
+        return self._sign(dkg.DkgComplaint(run_id=self.spec.run_id, round=DKG_ROUND,
+                                           validator=self.me, accused=accused))
+
+    # phase 4
+    def justification_post(self, served_complaints: Any) -> dict[str, Any] | None:
+        """Reveal the shares this dealer was accused over (None when nobody accused it)."""
+        self._complaints = {}
+        for j, posts in self._posts(served_complaints, dkg.DkgComplaint).items():
+            if len(posts) == 1:
+                self._complaints[j] = list(posts[0].message.accused)
+        accusers = [j for j, accused in self._complaints.items() if self.index in accused]
+        if not accusers or self._dealing is None:
+            return None
+        return self._sign(dkg.DkgJustification(run_id=self.spec.run_id, round=DKG_ROUND,
+                                               dealer=self.me,
+                                               shares=dkg.justify(self._dealing, accusers)))
+
+    # phase 5
+    def result_post(self, served_justifications: Any) -> dict[str, Any]:
+        """QUAL, the group key and public shares from the transcript this node saw, and
+        its secret share; signed once. :class:`dkg.DkgFault` if under a quorum qualified."""
+        just = {i: list(p[0].message.shares) for i, p in
+                self._posts(served_justifications, dkg.DkgJustification).items() if len(p) == 1}
+        q = dkg.qualify(n=self.n, quorum=self.quorum,
+                        deals={i: [p.message for p in posts] for i, posts in self._deals.items()},
+                        complaints=self._complaints, justifications=just)
+        self.qualification = q
+        digests = {i: self._deals[i][0].digest for i in q.qualified}
+        try:
+            self.share = dkg.secret_share(q, self.index, self._opened)
+        except dkg.DkgFault as exc:
+            self.faults.append(str(exc))
+            self.share = None
+        signed = sign(self.identity, dkg.result_message(
+            q, run_id=self.spec.run_id, round_index=DKG_ROUND, validator=self.me, digests=digests))
+        self.once.claim("dkg_result", self.spec.run_id, DKG_ROUND, signed.digest)
+        return signed.to_wire()
+
+    def adopt(self, served_results: Any) -> dkg.DkgResult:
+        """The result a quorum signed identically; this node keeps its share only if its own
+        public share there is ``share * G1``."""
+        agreed = dkg.agreed_result(self._posts(served_results, dkg.DkgResult),
+                                   quorum=self.quorum)
+        self.result = agreed
+        if self.share is not None and (
+                bls.public_key(self.share).hex() != agreed.public_shares[self.index]):
+            self.faults.append("the agreed DKG result is not the transcript this node saw")
+            self.share = None
+        return agreed
+
+    # every round
+    def partial_post(self, round_index: int, sealed: str) -> dict[str, Any] | None:
+        """This validator's partial signature over (run, r, sealed), signed once per round;
+        None when it holds no share."""
+        if self.share is None:
+            return None
+        root = dkg.threshold_beacon_root(self.spec.run_id, round_index, sealed)
+        msg = dkg.BeaconPartial(run_id=self.spec.run_id, round=round_index, validator=self.me,
+                                sealed=sealed, partial=dkg.partial_sign(self.share, root).hex())
+        self.once.claim("beacon_partial", self.spec.run_id, round_index, sealed)
+        return self._sign(msg)
+
+
+def beacon_seed_from_partials(result: dkg.DkgResult, spec: RunSpec, round_index: int,
+                              sealed: str, served_partials: Sequence[Any],
+                              faults: list[str] | None = None) -> bytes:
+    """A validator's own beacon for round r from the partials the board served: each
+    opened and bound to its member and to ``sealed``, checked against its public share, a
+    quorum combined and the result checked against the group key. Returns the seed."""
+    members = [v["ed25519"] for v in spec.validators]
+    posts = members_posts(served_partials, dkg.BeaconPartial, member_field="validator",
+                          members=members, run_id=spec.run_id, round_index=round_index,
+                          faults=faults, sealed=sealed)
+    sig, _ = dkg.combine_verified(result, posts, run_id=spec.run_id, round_index=round_index,
+                                  sealed=sealed, quorum=spec.quorum, faults=faults)
+    return dkg.verify_threshold_beacon(result.group_key, spec.run_id, round_index,
+                                       {"signature": sig.hex()}, sealed=sealed)
