@@ -10,6 +10,13 @@ global random state.  Optimal attacks evaluate ``aggregator`` on the rows
 mu = mean of the honest rows, sigma = their coordinate-wise standard deviation
 (unbiased, n_h - 1 in the denominator; 0 for a single row).
 
+The aggregator-agnostic optimization attacks of Shejwalkar and Houmansadr
+(NDSS 2021, "Manipulating the Byzantine"), :func:`min_max` and :func:`min_sum`,
+send mu - gamma * p for a perturbation direction p (``"unit"``: mu / ||mu||,
+``"sign"``: sign(mu), ``"std"``: sigma) with the largest gamma whose rows still
+look like the honest ones by distance; gamma is solved in closed form (the limit
+of the paper's bisection).
+
 Label flipping is a data attack run by a worker on its own batches (train on
 label y -> (C - 1 - y) for C classes); it yields an honest-looking update, so it
 has no tensor-level counterpart here.
@@ -29,6 +36,7 @@ from .base import Aggregator
 from .errors import AggregationInputError
 
 __all__ = [
+    "DIRECTIONS",
     "a_little_is_enough",
     "alie_z",
     "free_rider",
@@ -36,6 +44,11 @@ __all__ = [
     "inner_product_manipulation",
     "line_maximize",
     "mimic",
+    "min_max",
+    "min_max_gamma",
+    "min_sum",
+    "min_sum_gamma",
+    "perturbation",
     "optimal_alie",
     "optimal_alie_factor",
     "optimal_ipm",
@@ -227,3 +240,78 @@ def optimal_alie(
     """ALIE with z line-searched to maximize ||aggregate - mu|| (ByzFL's optimal ALIE)."""
     z = optimal_alie_factor(honest, f, aggregator, evaluations=evaluations)
     return a_little_is_enough(honest, f, z=z)
+
+
+#: Perturbation directions of :func:`min_max` / :func:`min_sum` (Shejwalkar, Houmansadr 2021).
+DIRECTIONS = ("unit", "sign", "std")
+
+
+def perturbation(honest: Tensor, direction: str = "unit") -> Tensor:
+    """The direction p the malicious row moves against: ``unit`` mu / ||mu|| (0 if mu = 0),
+    ``sign`` sign(mu), ``std`` sigma (coordinate-wise honest standard deviation)."""
+    x = check_updates(honest)
+    mu = x.mean(dim=0)
+    if direction == "unit":
+        norm = mu.norm()
+        return mu / norm if float(norm) > 0 else torch.zeros_like(mu)
+    if direction == "sign":
+        return torch.sign(mu)
+    if direction == "std":
+        return _sigma(x)
+    raise AggregationInputError(f"unknown direction {direction!r}; expected one of {DIRECTIONS}")
+
+
+def _distance_terms(honest: Tensor, p: Tensor) -> tuple[Tensor, Tensor, float, Tensor]:
+    """In float64, with d_i = mu - x_i: a_i = ||d_i||^2, b_i = <d_i, p>, c = ||p||^2, and
+    the pairwise squared distances of the honest rows (||x_i - x_j||^2)."""
+    x = honest.to(torch.float64)
+    p = p.to(torch.float64)
+    d = x.mean(dim=0) - x
+    gram = x @ x.T
+    sq = gram.diagonal()
+    pair = (sq[:, None] + sq[None, :] - 2 * gram).clamp_min(0.0)
+    return (d * d).sum(dim=1), d @ p, float(p @ p), pair
+
+
+def min_max_gamma(honest: Tensor, direction: str = "unit") -> float:
+    """The largest gamma >= 0 with max_i ||mu - gamma p - x_i|| <= max_{i,j} ||x_i - x_j||
+    (min-max: the malicious row is no farther from any honest row than the two farthest
+    honest rows are from each other). Each constraint is a quadratic in gamma that holds
+    at 0, so gamma = min_i (b_i + sqrt(b_i^2 + c (T - a_i))) / c with T the largest squared
+    pairwise distance; 0 when p = 0."""
+    x = check_updates(honest)
+    a, b, c, pair = _distance_terms(x, perturbation(x, direction))
+    if c <= 0:
+        return 0.0
+    t = float(pair.max())
+    roots = (b + torch.sqrt((b * b + c * (t - a)).clamp_min(0.0))) / c
+    return max(0.0, float(roots.min()))
+
+
+def min_sum_gamma(honest: Tensor, direction: str = "unit") -> float:
+    """The largest gamma >= 0 with sum_i ||mu - gamma p - x_i||^2 <= max_i sum_j
+    ||x_i - x_j||^2 (min-sum: the malicious row's summed squared distance to the honest
+    rows is no larger than an honest row's). Since sum_i (mu - x_i) = 0 the left side is
+    A + n gamma^2 c, so gamma = sqrt((T - A) / (n c)); 0 when p = 0."""
+    x = check_updates(honest)
+    a, _, c, pair = _distance_terms(x, perturbation(x, direction))
+    if c <= 0:
+        return 0.0
+    slack = float(pair.sum(dim=1).max()) - float(a.sum())
+    return math.sqrt(max(0.0, slack) / (x.shape[0] * c))
+
+
+def min_max(honest: Tensor, f: int, direction: str = "unit") -> Tensor:
+    """Min-max (Shejwalkar, Houmansadr, NDSS 2021), aggregator-agnostic: every Byzantine
+    row is mu - gamma * p with gamma = :func:`min_max_gamma`."""
+    x, f = _honest(honest, f)
+    gamma = min_max_gamma(x, direction)
+    return _repeat(x.mean(dim=0) - gamma * perturbation(x, direction), f)
+
+
+def min_sum(honest: Tensor, f: int, direction: str = "unit") -> Tensor:
+    """Min-sum (Shejwalkar, Houmansadr, NDSS 2021), aggregator-agnostic: every Byzantine
+    row is mu - gamma * p with gamma = :func:`min_sum_gamma`."""
+    x, f = _honest(honest, f)
+    gamma = min_sum_gamma(x, direction)
+    return _repeat(x.mean(dim=0) - gamma * perturbation(x, direction), f)

@@ -14,6 +14,11 @@ the swarm:
   ``optimal_alie`` and ``optimal_ipm`` (line-searched against the run's aggregator,
   and, where the probe filter is on, against that filter evaluated on a probe batch
   of the attacker's own: the largest scale that still passes);
+* the aggregator-agnostic optimization attacks of Shejwalkar and Houmansadr (NDSS
+  2021): ``min_max_<p>`` and ``min_sum_<p>`` send mu - gamma p with the largest gamma
+  whose row is no farther from the honest rows (max distance, resp. sum of squared
+  distances) than the honest rows are from each other, for the perturbation
+  directions p = ``unit`` (mu / ||mu||), ``sign`` (sign(mu)) and ``std`` (sigma);
 
 against mean, CenteredClip (tau_rel 1, 10 iterations), CenteredClip with
 bucketing (bucket size 2), Krum, trimmed mean, coordinate-wise median, geometric
@@ -37,9 +42,22 @@ would be rejected rather than aggregated). The probe filter is off in every row
 but ``cc_probe``; the last line reports ``cc_probe``, the pipeline a run uses.
 
 The reported number is the relative final eval loss ``final / clean - 1``, with
-``clean`` the run of 16 honest workers under the plain mean.  Each aggregator's
-own clean run is reported beside it ("clean" column: the cost of robustness, as
-opposed to the damage done by the attack).
+``clean`` the run of 16 honest workers under the plain mean on the same swarm seed.
+Each aggregator's own clean run is reported beside it ("clean" column: the cost of
+robustness, as opposed to the damage done by the attack).
+
+Seeds (issue 24): every cell runs on ``--seeds`` swarm seeds (default 3: ``robustness``,
+``robustness-1``, ``robustness-2``; the seed sets the worker and validator keys, hence
+the data each worker trains on, the genesis, and the beacon's probe batches). The
+tables give the worst and the median over the seeds; the last line the worst.
+
+Filter accounting, counted in every round of every cell from the validator's
+verdicts: the attackers' share of the rows that reached the aggregator (verdict
+``accepted``) minus their share of the submissions (``max_attacker_share_gain``: the
+largest over rounds and seeds, per cell and overall; > 0 means a filter helped the
+attackers), and the honest submissions whose verdict was ``rejected`` (the worker
+loses the round's pay: ``honest_lost_pay``) or ``excluded`` (a statistical filter kept
+the row out of the aggregate, the worker is paid: ``honest_excluded``).
 
 Sharing between cells (each is still a full, independent run): every worker
 process uses one deterministic validator identity, so the validator's BLS beacon
@@ -53,9 +71,24 @@ Outputs: the table on stdout and in ``bench-out/robustness.md`` (+ ``.json``),
 a heatmap ``bench-out/robustness.png`` (``robustness-quick.*`` for ``--quick``),
 and the last line::
 
-    robustness: centered_clip_worst_vs_clean f3=<+x.x%> f7=<+x.x%> mean_worst_vs_clean f7=<+x.x%>
+    robustness: seeds=<k> worst_f7=<+x.x%> worst_f3=<+x.x%> honest_lost_pay=<k>/<n> honest_excluded=<k>/<n> max_attacker_share_gain=<x>
 
-Run: ``.venv/bin/python bench/robustness.py [--quick] [--jobs 2] [--rounds R]``.
+(worst_f*: the run default, ``cc_probe``, worst over attacks and seeds; CenteredClip
+alone where ``cc_probe`` was not run.)
+
+Measured (issue 24; ``--f 3,7 --aggregators cc_probe``, 3 seeds, 102 runs, 22 min on
+the shared 2-core machine, 17.7 CPU-minutes)::
+
+    robustness: seeds=3 worst_f7=+5.9% worst_f3=+0.8% honest_lost_pay=0/11520 honest_excluded=43/11520 max_attacker_share_gain=+0.062
+
+The worst cell at f = 7 is ``mimic`` (+2.8%, +4.7%, +5.9% on the seeds); the
+min-max / min-sum attacks stay within +0.8% (f = 3) and +1.6% (f = 7). The share
+gain comes from rounds where the probe filter excluded an honest row and no
+attacker. The full grid (798 runs) is about 7.8 times that compute: about 70 min
+on 2 idle cores, nearly 3 h on shared ones (specs/aggregation.md, section 7).
+
+Run: ``.venv/bin/python bench/robustness.py [--quick] [--jobs 2] [--rounds R] [--seeds K]
+[--f 3,7] [--aggregators cc_probe,...] [--attacks ...]``.
 The model is sized for a 2-core machine: the ``tiny`` charlm preset (~35k
 parameters), H = 10 inner steps of batch 8; ``--task-preset bench`` gives the
 ~1M-parameter scale where more time is available.
@@ -70,6 +103,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -80,11 +114,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Every attack of the swarm, in table order.
+#: The Shejwalkar-Houmansadr (NDSS 2021) aggregator-agnostic attacks, by direction.
+SHEJWALKAR: tuple[str, ...] = tuple(f"{kind}_{direction}" for kind in ("min_max", "min_sum")
+                                    for direction in ("unit", "sign", "std"))
 ATTACKS: tuple[str, ...] = ("sign_flip", "label_flip", "free_rider", "zeros", "gaussian",
-                            "mimic", "ipm", "alie", "optimal_ipm", "optimal_alie")
+                            "mimic", "ipm", "alie", "optimal_ipm", "optimal_alie", *SHEJWALKAR)
 #: Attacks whose Byzantine workers do not train (cheaper cells).
 NON_TRAINING: frozenset[str] = frozenset({"free_rider", "zeros", "gaussian", "mimic", "ipm",
-                                          "alie", "optimal_ipm", "optimal_alie"})
+                                          "alie", "optimal_ipm", "optimal_alie", *SHEJWALKAR})
 #: Table rows: label -> (registry name, params before f is filled in).
 AGGREGATORS: dict[str, tuple[str, dict[str, Any]]] = {
     "mean": ("mean", {}),
@@ -102,6 +139,19 @@ DEFAULT_AGGREGATOR = "cc_probe"
 QUICK_ATTACKS: tuple[str, ...] = ("sign_flip", "label_flip", "zeros", "ipm", "optimal_ipm")
 QUICK_AGGREGATORS: tuple[str, ...] = ("mean", "centered_clip", "cc_probe")
 SEED = "robustness"
+#: Swarm seeds per cell by default (``--seeds``): seed 0 is :data:`SEED`, seed k > 0
+#: ``f"{SEED}-{k}"`` (worker keys, data, genesis and the validator's beacon all change).
+DEFAULT_SEEDS = 3
+
+
+def swarm_seed(seed: int) -> str:
+    """The swarm seed string of seed index ``seed`` (0: the bench's historical seed)."""
+    return SEED if seed == 0 else f"{SEED}-{seed}"
+
+
+def seed_key(key: str, seed: int) -> str:
+    """A cell key on seed ``seed``: unchanged for seed 0 (older results stay valid)."""
+    return key if seed == 0 else f"{key}/s{seed}"
 
 
 # --- the grid ---------------------------------------------------------------------------
@@ -129,10 +179,11 @@ class Cell:
     attack: str | None
     f: int
     spec: tuple[tuple[str, Any], ...]  # the aggregator entry, as hashable items
+    seed: int = 0  # index of the swarm seed (:func:`swarm_seed`)
 
     @property
     def key(self) -> str:
-        return f"{self.aggregator}/{self.attack or 'clean'}/f{self.f}"
+        return seed_key(f"{self.aggregator}/{self.attack or 'clean'}/f{self.f}", self.seed)
 
     def spec_dict(self) -> dict[str, Any]:
         return {"name": dict(self.spec)["name"], "params": json.loads(dict(self.spec)["params"])}
@@ -147,24 +198,26 @@ def clean_key(label: str, f: int) -> str:
 
 
 def build_grid(aggregators: Sequence[str], attacks: Sequence[str], fs: Sequence[int],
-               n: int) -> tuple[list[Cell], dict[tuple[str, int], str]]:
-    """The cells to run and, per (aggregator, f), the key of its clean run.
+               n: int, seeds: int = 1) -> tuple[list[Cell], dict[tuple[str, int], str]]:
+    """The cells to run (each on ``seeds`` swarm seeds) and, per (aggregator, f), the key of
+    its clean run on seed 0 (:func:`seed_key` gives it on another seed).
 
     A clean run is shared by every f where the aggregator's setting does not
     depend on f; the mean's clean run (the reference) is always included.
     """
     cells: list[Cell] = []
     clean_of: dict[tuple[str, int], str] = {}
-    for label in [*aggregators, *([] if "mean" in aggregators else ["mean"])]:
-        specs = {f: _frozen(aggregator_spec(label, f, n)) for f in [0, *fs]}
-        per_f = len(set(specs.values())) > 1
-        for f in fs if per_f else [0]:
-            cells.append(Cell(label, None, f, specs[f]))
-        if label not in aggregators:
-            continue
-        for f in fs:
-            clean_of[(label, f)] = clean_key(label, f if per_f else 0)
-            cells.extend(Cell(label, attack, f, specs[f]) for attack in attacks)
+    for seed in range(seeds):
+        for label in [*aggregators, *([] if "mean" in aggregators else ["mean"])]:
+            specs = {f: _frozen(aggregator_spec(label, f, n)) for f in [0, *fs]}
+            per_f = len(set(specs.values())) > 1
+            for f in fs if per_f else [0]:
+                cells.append(Cell(label, None, f, specs[f], seed))
+            if label not in aggregators:
+                continue
+            for f in fs:
+                clean_of[(label, f)] = clean_key(label, f if per_f else 0)
+                cells.extend(Cell(label, attack, f, specs[f], seed) for attack in attacks)
     return cells, clean_of
 
 
@@ -197,6 +250,44 @@ def bench_settings(spec: Mapping[str, Any], *, task_preset: str, steps: int, bat
 
 
 # --- running a cell (in a worker process) -------------------------------------------------
+
+
+def round_shares(verdicts: Iterable[Mapping[str, Any]], attackers: Iterable[str]
+                 ) -> dict[str, int]:
+    """One round's counts: submissions and rows that reached the aggregator (verdict
+    ``accepted``), each in all and by attackers; honest verdicts ``rejected`` (the worker
+    loses the round's pay) and ``excluded`` (kept out of the aggregate by a statistical
+    filter, paid)."""
+    bad = set(attackers)
+    counts = dict.fromkeys(("submitted", "attacker_submitted", "aggregated",
+                            "attacker_aggregated", "honest_rejected", "honest_excluded"), 0)
+    for v in verdicts:
+        attacker = v["worker"] in bad
+        counts["submitted"] += 1
+        counts["attacker_submitted"] += attacker
+        if v["status"] == "accepted":
+            counts["aggregated"] += 1
+            counts["attacker_aggregated"] += attacker
+        elif not attacker and v["status"] in ("rejected", "excluded"):
+            counts[f"honest_{v['status']}"] += 1
+    return counts
+
+
+def share_gain(counts: Mapping[str, int]) -> float:
+    """The attackers' share of the aggregated rows minus their share of the submissions
+    (> 0: the filters helped them; NaN for a round without submissions)."""
+    if not counts["submitted"]:
+        return math.nan
+    aggregated = (counts["attacker_aggregated"] / counts["aggregated"]
+                  if counts["aggregated"] else 0.0)
+    return aggregated - counts["attacker_submitted"] / counts["submitted"]
+
+
+def max_share_gain(rounds: Iterable[Mapping[str, int]]) -> float:
+    """Largest :func:`share_gain` over the rounds with attackers (NaN if none)."""
+    gains = [share_gain(c) for c in rounds if c["attacker_submitted"]]
+    gains = [g for g in gains if not math.isnan(g)]
+    return max(gains) if gains else math.nan
 
 _PROCESS: dict[str, Any] = {}
 
@@ -263,22 +354,31 @@ def run_cell(job: Mapping[str, Any]) -> dict[str, Any]:
         _init_process(int(job.get("threads", 1)))
     started = time.monotonic()
     out: dict[str, Any] = {"key": job["key"], "aggregator": job["aggregator"],
-                           "attack": job["attack"], "f": job["f"], "spec": job["spec"]}
+                           "attack": job["attack"], "f": job["f"], "spec": job["spec"],
+                           "seed": int(job.get("seed", 0))}
     try:
         settings = job["settings"]
         n, f, attack = int(job["n_workers"]), int(job["f"]), job["attack"]
         byzantine = {n - 1 - i: attack for i in range(f)} if attack else {}
         bundles = _PROCESS["bundles"]
-        bkey = json.dumps(settings, sort_keys=True)
+        seed = swarm_seed(int(job.get("seed", 0)))
+        bkey = json.dumps([seed, settings], sort_keys=True)
         validator = _PROCESS["validator"]
         with mock.patch.object(Identity, "generate", staticmethod(lambda role: validator)):
-            swarm = swarm_mod.Swarm(settings, n_workers=n, byzantine=byzantine, seed=SEED,
+            swarm = swarm_mod.Swarm(settings, n_workers=n, byzantine=byzantine, seed=seed,
                                     bundle=bundles.get(bkey))
         bundles[bkey] = swarm.bundle
+        attackers = {swarm.workers[i].public_key.hex() for i in byzantine}
         losses: list[float] = []
+        shares: list[dict[str, int]] = []
+        out["rounds"] = shares  # per-round counts (round_shares), kept if the run diverges
+
+        def on_round(r: int, o: Any) -> None:
+            losses.append(float(o.eval_loss))
+            shares.append(round_shares(o.verdicts, attackers))
+
         try:
-            result = swarm.train(int(job["rounds"]),
-                                 on_round=lambda r, o: losses.append(float(o.eval_loss)))
+            result = swarm.train(int(job["rounds"]), on_round=on_round)
             rejected, train_seconds, diverged = len(result.caught), result.seconds, None
         except Exception as exc:  # a model gone non-finite makes the next round fail
             if not (losses and not math.isfinite(losses[-1])) and "NonFinite" not in repr(exc):
@@ -290,6 +390,7 @@ def run_cell(job: Mapping[str, Any]) -> dict[str, Any]:
                    rejected=rejected, train_seconds=train_seconds, diverged=diverged, error=None)
     except Exception as exc:  # a cell that fails is reported, not fatal
         out.update(eval_loss=[], final=math.nan, rejected=0, error=f"{type(exc).__name__}: {exc}")
+    out["max_attacker_share_gain"] = max_share_gain(out.get("rounds", []))
     out["seconds"] = time.monotonic() - started
     return out
 
@@ -301,7 +402,7 @@ def make_jobs(cells: Iterable[Cell], *, n: int, rounds: int, task_preset: str, s
         spec = cell.spec_dict()
         jobs.append({
             "key": cell.key, "aggregator": cell.aggregator,
-            "attack": cell.attack, "f": cell.f, "spec": spec,
+            "attack": cell.attack, "f": cell.f, "spec": spec, "seed": cell.seed,
             "settings": bench_settings(spec, task_preset=task_preset, steps=steps,
                                        batch=batch, rounds=rounds,
                                        probe=cell.aggregator in PROBED),
@@ -354,15 +455,17 @@ def run_jobs(jobs: Sequence[Mapping[str, Any]], *, processes: int, done: dict[st
 
 def relative_table(results: Mapping[str, Mapping[str, Any]], aggregators: Sequence[str],
                    attacks: Sequence[str], fs: Sequence[int],
-                   clean_of: Mapping[tuple[str, int], str]) -> dict[str, dict[str, float]]:
-    """rel[aggregator][column] = final / clean(mean) - 1; columns 'clean@f' and 'attack@f'.
+                   clean_of: Mapping[tuple[str, int], str], seed: int = 0
+                   ) -> dict[str, dict[str, float]]:
+    """rel[aggregator][column] = final / clean(mean) - 1 on swarm seed ``seed`` (against
+    that seed's own clean mean run); columns 'clean@f' and 'attack@f'.
 
     NaN where the cell failed or has not run; inf where the run diverged.
     """
-    reference = results.get(clean_key("mean", 0), {}).get("final", math.nan)
+    reference = results.get(seed_key(clean_key("mean", 0), seed), {}).get("final", math.nan)
 
     def rel(key: str) -> float:
-        final = results.get(key, {}).get("final", math.nan)
+        final = results.get(seed_key(key, seed), {}).get("final", math.nan)
         if final is None or math.isnan(final):
             return math.nan
         return final / reference - 1.0
@@ -376,6 +479,57 @@ def relative_table(results: Mapping[str, Mapping[str, Any]], aggregators: Sequen
                 row[f"{attack}@{f}"] = rel(f"{label}/{attack}/f{f}")
         table[label] = row
     return table
+
+
+def over_seeds(tables: Sequence[Mapping[str, Mapping[str, float]]]
+               ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """Per cell, the worst (largest) and the median value over the seeds' tables (NaN
+    values, cells that failed or did not run, left out; NaN if no seed has the cell)."""
+    worst_t: dict[str, dict[str, float]] = {}
+    median_t: dict[str, dict[str, float]] = {}
+    for label in tables[0] if tables else ():
+        worst_t[label], median_t[label] = {}, {}
+        for col in tables[0][label]:
+            vals = [t.get(label, {}).get(col, math.nan) for t in tables]
+            vals = [v for v in vals if not math.isnan(v)]
+            worst_t[label][col] = max(vals) if vals else math.nan
+            median_t[label][col] = statistics.median(vals) if vals else math.nan
+    return worst_t, median_t
+
+
+def share_gain_table(results: Mapping[str, Mapping[str, Any]], aggregators: Sequence[str],
+                     attacks: Sequence[str], fs: Sequence[int], seeds: int
+                     ) -> dict[str, dict[str, float]]:
+    """gain[aggregator]['attack@f']: the largest attacker share gain (:func:`share_gain`)
+    over every round of the cell on every seed (NaN where no round ran)."""
+    table: dict[str, dict[str, float]] = {}
+    for label in aggregators:
+        row: dict[str, float] = {}
+        for f in fs:
+            row[f"clean@{f}"] = math.nan  # no attackers
+            for attack in attacks:
+                vals = [results.get(seed_key(f"{label}/{attack}/f{f}", s), {})
+                        .get("max_attacker_share_gain", math.nan) for s in range(seeds)]
+                vals = [v for v in vals if v is not None and not math.isnan(v)]
+                row[f"{attack}@{f}"] = max(vals) if vals else math.nan
+        table[label] = row
+    return table
+
+
+def honest_verdicts(results: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """Over every round of every cell: honest submissions, and those whose verdict was
+    ``rejected`` (lost pay) or ``excluded`` (kept out of the aggregate, paid)."""
+    total = dict.fromkeys(("honest", "honest_rejected", "honest_excluded"), 0)
+    for res in results.values():
+        for c in res.get("rounds") or ():
+            total["honest"] += c["submitted"] - c["attacker_submitted"]
+            total["honest_rejected"] += c["honest_rejected"]
+            total["honest_excluded"] += c["honest_excluded"]
+    return total
+
+
+def fmt_gain(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:+.3f}"
 
 
 def fmt_pct(x: float) -> str:
@@ -394,17 +548,17 @@ def worst(row: Mapping[str, float], f: int, attacks: Sequence[str]) -> float:
 
 
 def markdown_table(table: Mapping[str, Mapping[str, float]], attacks: Sequence[str],
-                   fs: Sequence[int]) -> str:
+                   fs: Sequence[int], fmt: Any = fmt_pct, title: str = "") -> str:
     """One markdown table per f: rows aggregators, columns clean (own run) + attacks + worst."""
     parts = []
     for f in fs:
         cols = ["clean"] + list(attacks) + ["worst"]
-        lines = [f"f = {f}", "", "| aggregator | " + " | ".join(cols) + " |",
+        lines = [f"{title}f = {f}", "", "| aggregator | " + " | ".join(cols) + " |",
                  "|---|" + "---:|" * len(cols)]
         for label, row in table.items():
-            cells = [fmt_pct(row.get(f"clean@{f}", math.nan))]
-            cells += [fmt_pct(row.get(f"{a}@{f}", math.nan)) for a in attacks]
-            cells.append(fmt_pct(worst(row, f, attacks)))
+            cells = [fmt(row.get(f"clean@{f}", math.nan))]
+            cells += [fmt(row.get(f"{a}@{f}", math.nan)) for a in attacks]
+            cells.append(fmt(worst(row, f, attacks)))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
@@ -453,14 +607,18 @@ def write_heatmap(table: Mapping[str, Mapping[str, float]], attacks: Sequence[st
     plt.close(fig)
 
 
-def summary_line(table: Mapping[str, Mapping[str, float]], attacks: Sequence[str]) -> str:
-    """The run default (probe filter + CenteredClip; CenteredClip alone when that row was
-    not run) against the plain mean."""
+def summary_line(table: Mapping[str, Mapping[str, float]], attacks: Sequence[str], *,
+                 seeds: int, honest: Mapping[str, int], max_gain: float) -> str:
+    """The issue-24 line: the run default (probe filter + CenteredClip; CenteredClip alone
+    when that row was not run), ``table`` its worst over seeds; honest verdicts that cost
+    pay (rejected) or only kept the row out (excluded); the largest attacker share gain."""
     cc = table.get(DEFAULT_AGGREGATOR) or table.get("centered_clip", {})
-    mean = table.get("mean", {})
-    return (f"robustness: centered_clip_worst_vs_clean f3={fmt_pct(worst(cc, 3, attacks))} "
-            f"f7={fmt_pct(worst(cc, 7, attacks))} "
-            f"mean_worst_vs_clean f7={fmt_pct(worst(mean, 7, attacks))}")
+    n = honest.get("honest", 0)
+    return (f"robustness: seeds={seeds} worst_f7={fmt_pct(worst(cc, 7, attacks))} "
+            f"worst_f3={fmt_pct(worst(cc, 3, attacks))} "
+            f"honest_lost_pay={honest.get('honest_rejected', 0)}/{n} "
+            f"honest_excluded={honest.get('honest_excluded', 0)}/{n} "
+            f"max_attacker_share_gain={fmt_gain(max_gain)}")
 
 
 # --- main -------------------------------------------------------------------------------------
@@ -475,6 +633,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attacks", default=",".join(ATTACKS))
     p.add_argument("--aggregators", default=",".join(AGGREGATORS))
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS,
+                   help="swarm seeds per cell (worst and median over them are reported)")
     p.add_argument("--steps", type=int, default=10, help="inner steps H per round")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--task-preset", default="tiny", choices=("tiny", "demo", "bench"))
@@ -503,7 +663,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a not in AGGREGATORS:
             raise SystemExit(f"unknown aggregator {a!r}; expected one of {tuple(AGGREGATORS)}")
     n = args.workers
-    cells, clean_of = build_grid(aggregators, attacks, fs, n)
+    if args.seeds < 1:
+        raise SystemExit("--seeds must be at least 1")
+    seeds = args.seeds
+    cells, clean_of = build_grid(aggregators, attacks, fs, n, seeds)
     jobs = make_jobs(cells, n=n, rounds=args.rounds, task_preset=args.task_preset,
                      steps=args.steps, batch=args.batch, threads=args.threads)
     out = Path(args.out)
@@ -513,7 +676,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "batch": args.batch, "task_preset": args.task_preset, "codec": "fp32",
               "verification": "off (challenges 0, no spot checks, norm filter off; probe "
                               "filter on only in cc_probe)",
-              "byzantine_workers": "the last f", "seed": SEED}
+              "byzantine_workers": "the last f", "seed": SEED, "seeds": seeds,
+              "swarm_seeds": [swarm_seed(k) for k in range(seeds)]}
     done: dict[str, Any] = {}
     json_path, partial_path = out / f"{stem}.json", out / f"{stem}.partial.json"
     for path in (json_path, partial_path) if args.resume else ():
@@ -524,12 +688,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                           "task_preset")} == {
                 k: config[k] for k in ("workers", "rounds", "steps", "batch", "task_preset")}:
             # a run where the validator rejected someone (made before the norm filter was
-            # switched off) is run again; with nothing rejected it would be the same
+            # switched off) is run again; with nothing rejected it would be the same; so is
+            # one without the per-round share counts (made before they were recorded)
             done.update((k, v) for k, v in previous.get("results", {}).items()
-                        if not v.get("error") and not v.get("rejected"))
+                        if not v.get("error") and not v.get("rejected") and "rounds" in v)
     print(f"robustness bench: charlm {args.task_preset}, {n} workers, H={args.steps}, "
           f"batch {args.batch}, {args.rounds} rounds, f in {fs}, {len(attacks)} attacks x "
-          f"{len(aggregators)} aggregators = {len(jobs)} runs (incl. clean); codec fp32; "
+          f"{len(aggregators)} aggregators x {seeds} seeds = {len(jobs)} runs (incl. clean); "
+          "codec fp32; "
           "verification OFF (no spot checks, norm filter off; probe filter only in cc_probe) "
           "to isolate the aggregator",
           flush=True)
@@ -537,20 +703,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = run_jobs(jobs, processes=max(1, min(args.jobs, len(jobs))), done=done,
                        checkpoint=partial_path, config=config)
     wall = time.monotonic() - started
-    table = relative_table(results, aggregators, attacks, fs, clean_of)
-    reference = results.get(clean_key("mean", 0), {}).get("final", math.nan)
+    per_seed = [relative_table(results, aggregators, attacks, fs, clean_of, seed=k)
+                for k in range(seeds)]
+    table, median_table = over_seeds(per_seed)
+    gains = share_gain_table(results, aggregators, attacks, fs, seeds)
+    all_gains = [g for row in gains.values() for g in row.values() if not math.isnan(g)]
+    max_gain = max(all_gains) if all_gains else math.nan
+    honest = honest_verdicts(results)
+    references = [results.get(seed_key(clean_key("mean", 0), k), {}).get("final", math.nan)
+                  for k in range(seeds)]
     ran = [r for k, r in results.items() if k not in done]
     cell_seconds = [r["seconds"] for r in ran]
     timing = (f"wall {wall / 60:.1f} min for {len(ran)} runs in {args.jobs} processes; "
               f"per run mean {sum(cell_seconds) / max(1, len(cell_seconds)):.1f} s "
               f"(min {min(cell_seconds, default=0):.1f}, max {max(cell_seconds, default=0):.1f})")
     errors = {k: r["error"] for k, r in results.items() if r.get("error")}
-    genesis_note = ("clean reference: 16 honest workers, mean aggregator, final eval loss "
-                    f"{reference:.4f}")
+    genesis_note = ("clean reference per seed: 16 honest workers, mean aggregator, final eval "
+                    "loss " + ", ".join(f"{swarm_seed(k)} {x:.4f}"
+                                        for k, x in enumerate(references)))
     notes = [
         genesis_note,
-        "cells: final eval loss / clean reference - 1 (lower is better; 'clean' = the row's "
-        "own run without attack, i.e. the cost of robustness)",
+        f"cells: final eval loss / the same seed's clean reference - 1, worst and median over "
+        f"{seeds} swarm seeds (lower is better; 'clean' = the row's own run without attack, "
+        "i.e. the cost of robustness)",
+        "attacker share gain: in each round, the attackers' share of the rows that reached "
+        "the aggregator (verdict accepted) minus their share of the submissions; the table "
+        "gives the largest over every round and seed (> 0: the filters helped the attackers)",
+        f"honest verdicts over every round of every run: {honest['honest_rejected']} rejected "
+        f"(lost pay), {honest['honest_excluded']} excluded (kept out, paid) of "
+        f"{honest['honest']} honest submissions",
         "verification OFF in every run (challenges_per_worker 0, binding_chunks 0, always_last false, "
         "spot_checks_per_round 0, norm_factor 1e6 and the validator's norm filter patched "
         "out, as it rejects all-zero updates at any factor) so that the aggregator alone "
@@ -563,31 +744,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     md = (f"# Robustness: charlm {args.task_preset}, {n} workers, H={args.steps}, batch "
           f"{args.batch}, {args.rounds} rounds\n\n" + "\n".join(f"- {x}" for x in notes)
-          + "\n\n" + markdown_table(table, attacks, fs))
+          + f"\n\n## worst over {seeds} seeds\n\n" + markdown_table(table, attacks, fs)
+          + f"\n## median over {seeds} seeds\n\n" + markdown_table(median_table, attacks, fs)
+          + "\n## attacker share gain (max over rounds and seeds)\n\n"
+          + markdown_table(gains, attacks, fs, fmt=fmt_gain))
     if errors:
         md += "\nfailed runs:\n" + "\n".join(f"- {k}: {v}" for k, v in sorted(errors.items()))
         md += "\n"
-    line = summary_line(table, attacks)
+    line = summary_line(table, attacks, seeds=seeds, honest=honest, max_gain=max_gain)
     md += f"\n`{line}`\n"
     (out / f"{stem}.md").write_text(md)
     json_path.write_text(json.dumps({
-        "config": config, "reference_clean_mean": reference, "relative": table,
+        "config": config, "reference_clean_mean": references, "relative": table,
+        "relative_median": median_table, "relative_per_seed": per_seed,
+        "attacker_share_gain": gains, "max_attacker_share_gain": max_gain,
+        "honest_verdicts": honest,
         "results": results, "wall_seconds": wall}, indent=1, default=str))
     partial_path.unlink(missing_ok=True)
     write_heatmap(table, attacks, fs, out / f"{stem}.png",
-                  f"charlm {args.task_preset}, {n} workers, {args.rounds} rounds: final eval "
-                  "loss vs clean mean run (verification off)")
+                  f"charlm {args.task_preset}, {n} workers, {args.rounds} rounds, worst of "
+                  f"{seeds} seeds: final eval loss vs clean mean run (verification off)")
     print()
     print(md.rstrip("\n").rsplit("\n", 1)[0])
     print(f"wrote {out / f'{stem}.md'}, {json_path.name}, {stem}.png")
     cc, mean = table.get(DEFAULT_AGGREGATOR, {}), table.get("mean", {})
     targets = []
     if 3 in fs and cc:
-        targets.append(f"centered_clip f=3 <= 2%: {'met' if worst(cc, 3, attacks) <= 0.02 else 'NOT met'}")
+        targets.append(f"run default f=3 <= 2% (worst over seeds): {'met' if worst(cc, 3, attacks) <= 0.02 else 'NOT met'}")
     if 7 in fs and cc:
-        targets.append(f"centered_clip f=7 <= 5%: {'met' if worst(cc, 7, attacks) <= 0.05 else 'NOT met'}")
+        targets.append(f"run default f=7 <= 5% (worst over seeds): {'met' if worst(cc, 7, attacks) <= 0.05 else 'NOT met'}")
     if 7 in fs and mean:
         targets.append(f"mean fails at f=7 (> 5%): {'yes' if worst(mean, 7, attacks) > 0.05 else 'no'}")
+    targets.append(f"honest_lost_pay = 0: {'met' if honest['honest_rejected'] == 0 else 'NOT met'}")
+    if not math.isnan(max_gain):
+        targets.append(f"max_attacker_share_gain <= 0: {'met' if max_gain <= 0 else 'NOT met'}")
     if targets:
         print("targets: " + "; ".join(targets))
     print(line)

@@ -176,3 +176,74 @@ def test_attacks_are_deterministic():
         lambda: atk.gaussian_noise(x, F, generator=torch.Generator().manual_seed(9)),
     ]:
         assert fn().numpy().tobytes() == fn().numpy().tobytes()
+
+
+# --- Shejwalkar & Houmansadr (NDSS 2021): min-max and min-sum ------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _pairwise_sq(x: torch.Tensor) -> torch.Tensor:
+    return torch.cdist(x.double(), x.double()) ** 2
+
+
+def _min_max_ok(x: torch.Tensor, row: torch.Tensor) -> bool:
+    far = float(((x.double() - row.double()) ** 2).sum(dim=1).max())
+    return far <= float(_pairwise_sq(x).max()) * (1 + 1e-9) + 1e-12
+
+
+def _min_sum_ok(x: torch.Tensor, row: torch.Tensor) -> bool:
+    total = float(((x.double() - row.double()) ** 2).sum())
+    return total <= float(_pairwise_sq(x).sum(dim=1).max()) * (1 + 1e-9) + 1e-12
+
+
+@pytest.mark.parametrize("direction", atk.DIRECTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_min_max_and_min_sum_are_mean_minus_gamma_p(direction, dtype):
+    x = honest(dtype)
+    p = atk.perturbation(x, direction)
+    expected = {"unit": x.mean(0) / x.mean(0).norm(), "sign": torch.sign(x.mean(0)),
+                "std": x.std(0)}[direction]
+    torch.testing.assert_close(p, expected)
+    for attack, gamma_of in ((atk.min_max, atk.min_max_gamma), (atk.min_sum, atk.min_sum_gamma)):
+        gamma = gamma_of(x, direction)
+        assert gamma > 0
+        assert_rows(attack(x, F, direction), x.mean(0) - gamma * p)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 12), d=st.integers(1, 30), seed=st.integers(0, 2**31 - 1),
+       offset=st.floats(-3, 3), direction=st.sampled_from(atk.DIRECTIONS))
+def test_gamma_is_the_largest_that_satisfies_the_constraint(n, d, seed, offset, direction):
+    gen = torch.Generator().manual_seed(seed)
+    x = (offset + torch.randn(n, d, generator=gen, dtype=torch.float64))
+    p = atk.perturbation(x, direction)
+    mu = x.mean(0)
+    for gamma_of, ok in ((atk.min_max_gamma, _min_max_ok), (atk.min_sum_gamma, _min_sum_ok)):
+        gamma = gamma_of(x, direction)
+        assert gamma >= 0 and math.isfinite(gamma)
+        assert ok(x, mu - gamma * p)  # the constraint holds at gamma ...
+        if float(p.norm()) > 0:  # ... and fails just beyond it (gamma is the largest)
+            assert not ok(x, mu - (gamma * 1.01 + 1e-6) * p)
+
+
+def test_min_max_and_min_sum_edge_cases():
+    x = honest()
+    assert atk.min_max(x, 0).shape == (0, D) and atk.min_sum(x, 0, "sign").shape == (0, D)
+    # a zero mean: the unit direction is 0, so is gamma; the rows are the mean
+    centred = torch.cat([x[:3], -x[:3]])  # mean exactly 0
+    assert atk.min_max_gamma(centred, "unit") == 0.0
+    torch.testing.assert_close(atk.min_sum(centred, 2, "unit"), centred.mean(0).repeat(2, 1))
+    # one honest row: no spread, nothing to hide in
+    assert atk.min_max_gamma(x[:1], "sign") == 0.0 and atk.min_sum_gamma(x[:1], "std") == 0.0
+    with pytest.raises(AggregationInputError):
+        atk.min_max(x, F, "nope")
+
+
+def test_min_max_moves_the_mean_against_the_honest_direction():
+    x = honest()
+    mu = x.mean(0)
+    for direction in atk.DIRECTIONS:
+        rows = torch.cat([x, atk.min_max(x, F, direction)])
+        assert float(Mean()(rows) @ mu) < float(mu @ mu)

@@ -40,8 +40,12 @@ from veritrain.workers.evidence import MemoryStore, RoundEvidence, reveal_bytes
 from veritrain.workers.round import prepare_submission
 
 WORKER_SIDE_ATTACKS = ("free_rider", "sign_flip", "label_flip")
+#: Shejwalkar-Houmansadr (NDSS 2021) aggregator-agnostic attacks, one per perturbation
+#: direction (aggregation/attacks.py): ``min_max_unit`` ... ``min_sum_std``.
+SHEJWALKAR_ATTACKS = tuple(f"{kind}_{direction}" for kind in ("min_max", "min_sum")
+                           for direction in A.DIRECTIONS)
 OMNISCIENT_ATTACKS = ("alie", "ipm", "gaussian", "zeros", "mimic", "optimal_alie",
-                      "optimal_ipm")
+                      "optimal_ipm", *SHEJWALKAR_ATTACKS)
 ATTACKS = WORKER_SIDE_ATTACKS + OMNISCIENT_ATTACKS
 
 
@@ -134,6 +138,9 @@ class Swarm:
             return A.free_rider(honest, f)
         if attack == "mimic":
             return A.mimic(honest, f)
+        if attack in SHEJWALKAR_ATTACKS:
+            kind, direction = attack.rsplit("_", 1)
+            return (A.min_max if kind == "min_max" else A.min_sum)(honest, f, direction)
         params = resolve_aggregator_params(self.run.spec.aggregator["params"], honest)
         agg = build_aggregator(self.run.spec.aggregator["name"], params, seed=r)
         probe_examples, probe_factor = self.run.spec.probe
