@@ -639,6 +639,14 @@ def _trainer_for(task: Task, dataset: Dataset, cfg: InnerConfig,
     return trainer
 
 
+def forget_trainers() -> None:
+    """Drop the cached trainers: a validator whose step checks are done does not keep
+    their model (its flat parameters, 4 B/param) through the binding check and the
+    filters; the next check builds it again (one model construction per worker)."""
+    with _TRAINERS_LOCK:
+        _TRAINERS.clear()
+
+
 def local_train(
     task: Task,
     dataset: Dataset,

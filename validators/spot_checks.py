@@ -44,12 +44,14 @@ from veritrain.protocol.commitments import (
     vector_root,
 )
 from veritrain.protocol.errors import PayloadError, RejectedInput
+from veritrain.protocol.memory import release_free_memory
 from veritrain.protocol.messages import Submission
 from veritrain.protocol.reveal import binding_is_local, parse_reveal, reveal_layout
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.training import (
     TrainingState,
     commitment_of,
+    forget_trainers,
     leaves_of_vector,
     torch_threads,
     train_segment,
@@ -297,6 +299,9 @@ def _check_reveal(run: RunContext, base_flat: torch.Tensor, sub: Submission,
             results.append(check_step(run, base_flat, sub, j, parts, seed, device=device))
     if not binding:
         return results
+    if segments:  # the recomputing model's 4 B/param go before the binding's codec work
+        forget_trainers()
+        release_free_memory()
     if failure is not None:
         results.append(CheckResult("binding", len(sub.trail), None, sub.trail[-1],
                                    sub.ef_hash, None, False, failure, missing))

@@ -84,8 +84,9 @@ class BlockwiseCodec(ScaledBlocksCodec):
         check_f32_scales(scale_bits, f"{self.name} scales")
         scales = scale_bits.view("<f4").astype(np.float32)
         q = self._blocks(self._unpack_codes(body[4 * nb :], numel))
+        out = q.astype(np.float32)
         with np.errstate(over="ignore"):  # overflow to Inf is caught as NonFiniteError by decode()
-            out = q.astype(np.float32) * scales[:, None]
+            out *= scales[:, None]  # in place: one float32 vector, not two
         return torch.from_numpy(
             out.reshape(-1)[:numel].copy() if nb * self.block != numel else out.reshape(-1)
         )
