@@ -26,8 +26,9 @@ talking HTTP on loopback, each with one torch thread, the ``demo`` preset's rule
   aggregation and certificate) and the share of a round a worker spends waiting;
 * the worker's inner step against a plain PyTorch AdamW step of the same model, batch and
   thread count, measured in this run after the swarm, alternating: the worker's step is
-  exactly what ``veritrain worker`` runs (``prepare_submission`` with its on-disk evidence
-  and its hashing thread), the plain one a model, ``AdamW(foreach=False)`` and the loop.
+  exactly what ``veritrain worker`` runs (``prepare_submission`` with its on-disk evidence,
+  its default ``keep_every`` and its ``CommitPool``), the plain one a model,
+  ``AdamW(foreach=False)`` and the loop.
 
 The last line:
 
@@ -60,7 +61,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +75,14 @@ from veritrain.protocol.organiser import build_run
 from veritrain.protocol.presets import run_preset
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import sha256_hex
-from veritrain.protocol.training import deterministic_mode
-from veritrain.workers.evidence import DirStore, MemoryStore, RoundEvidence, reveal_bytes
+from veritrain.protocol.training import CommitPool, deterministic_mode
+from veritrain.workers.evidence import (
+    DirStore,
+    MemoryStore,
+    RoundEvidence,
+    default_keep_every,
+    reveal_bytes,
+)
 from veritrain.workers.node import StepClock
 from veritrain.workers.round import prepare_submission
 
@@ -441,12 +447,12 @@ def plain_steps(run: RunContext, rows: torch.Tensor) -> list[float]:
 
 
 def worker_steps(run: RunContext, identity: Identity, base: torch.Tensor, work: Path,
-                 pool: ThreadPoolExecutor, keep_every: int | None) -> list[float]:
+                 pool: CommitPool, keep_every: int | None) -> list[float]:
     """What ``veritrain worker`` runs for a round (its on-disk evidence and hashing thread):
     per-step seconds."""
     store = DirStore(work / "ab-evidence")
     evidence = RoundEvidence(store, run, 0, identity.public_key.hex(),
-                             keep_every=keep_every or run.inner.trail_every)
+                             keep_every=keep_every or default_keep_every(run))
     clock = StepClock(lambda *_: None)
     prepare_submission(run, identity, 0, base, run.spec.genesis_model_hash,
                        ErrorFeedback(run.numel), evidence=evidence, pool=pool, progress=clock)
@@ -462,7 +468,7 @@ def speed_ab(bundle: Any, work: Path, runs: int, threads: int, keep_every: int |
     identity = Identity.generate("worker")
     rows = run.assignment(0, identity.public_key.hex())
     out: dict[str, list[float]] = {"plain": [], "worker": []}
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit") as pool:
+    with CommitPool.for_device("cpu") as pool:  # what a worker node builds
         for i in range(runs):
             for name in ("plain", "worker") if i % 2 == 0 else ("worker", "plain"):
                 steps = (plain_steps(run, rows) if name == "plain"
@@ -594,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-head", type=int, default=12)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--keep-every", type=int, default=None,
-                        help="workers keep every N-th state whole (default: every one)")
+                        help="workers keep every N-th state whole (default: the node's, "
+                             "every 4th)")
     parser.add_argument("--ab-runs", type=int, default=3,
                         help="alternating runs of plain and worker steps")
     parser.add_argument("--ab-threads", type=int, default=os.cpu_count() or 1)

@@ -976,13 +976,12 @@ def worker_round_memory(job: MemoryJob) -> dict[str, Any]:
     """In a fresh process: one worker-round as ``veritrain worker`` runs it
     (workers/node.py): the base model read from its file, the residual living in its file
     (``StoredErrorFeedback``), ``prepare_submission`` with the evidence in a ``DirStore``
-    (keep_every = k, as the node's default) and one hashing thread, the submission made
+    (the node's default keep_every) and its commit pool, the submission made
     durable, then the reveal file of the round's checks written from that evidence. Done
     twice in the process ("cold", then "warm"); each time, VmHWM at the end minus the
     resident size it started from."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from veritrain.workers.evidence import DirStore
+    from veritrain.protocol.training import CommitPool
+    from veritrain.workers.evidence import DirStore, default_keep_every
     from veritrain.workers.state import StoredErrorFeedback
 
     torch.set_num_threads(job.threads)
@@ -998,8 +997,8 @@ def worker_round_memory(job: MemoryJob) -> dict[str, Any]:
         start = _reset_peak()
         base_flat = torch.from_numpy(np.fromfile(d / "base.f32", dtype="<f4"))
         store = DirStore(state / "evidence")
-        evidence = RoundEvidence(store, run, job.round, me, keep_every=run.inner.trail_every)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit") as pool:
+        evidence = RoundEvidence(store, run, job.round, me, keep_every=default_keep_every(run))
+        with CommitPool.for_device("cpu") as pool:
             prepared = prepare_submission(
                 run, identity, job.round, base_flat, meta["base_hash"],
                 StoredErrorFeedback(d / "error_feedback.safetensors", run.numel),

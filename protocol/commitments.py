@@ -49,10 +49,27 @@ def chunk_bounds(numel: int, index: int) -> tuple[int, int]:
     return start, min(start + CHUNK, numel)
 
 
-def _hash_range(data: memoryview, first: int, last: int) -> bytes:
+def hash_chunks(data: memoryview, first: int, last: int) -> bytes:
+    """The leaves of chunks ``first .. last - 1`` of a vector given as its bytes."""
     step = 4 * CHUNK
     return b"".join(blake3.blake3(data[i * step:(i + 1) * step]).digest()
                     for i in range(first, last))
+
+
+def chunk_ranges(n_chunks: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous, non-empty [first, last) ranges covering ``n_chunks`` chunks
+    (fewer when there are fewer chunks): how a vector's hashing is spread over threads."""
+    parts = max(1, min(parts, n_chunks))
+    bounds = [n_chunks * p // parts for p in range(parts + 1)]
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+
+
+def float_bytes(data: memoryview | bytes) -> memoryview:
+    """``data`` as a byte view, checked to be a whole number of float32 values."""
+    view = memoryview(data).cast("B")
+    if len(view) % 4:
+        raise ValueError("a vector's bytes are a whole number of float32 values")
+    return view
 
 
 def leaves_of(data: memoryview | bytes, *, pool: Executor | None = None, parts: int = 1
@@ -61,15 +78,11 @@ def leaves_of(data: memoryview | bytes, *, pool: Executor | None = None, parts: 
 
     With ``pool`` the chunks are hashed in ``parts`` contiguous ranges on its threads.
     """
-    view = memoryview(data).cast("B")
-    if len(view) % 4:
-        raise ValueError("a vector's bytes are a whole number of float32 values")
+    view = float_bytes(data)
     n = chunk_count(len(view) // 4)
     if pool is None or parts <= 1 or n < 2:
-        return _hash_range(view, 0, n)
-    bounds = [n * p // parts for p in range(parts + 1)]
-    futures = [pool.submit(_hash_range, view, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-               if b > a]
+        return hash_chunks(view, 0, n)
+    futures = [pool.submit(hash_chunks, view, a, b) for a, b in chunk_ranges(n, parts)]
     return b"".join(f.result() for f in futures)
 
 

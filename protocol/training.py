@@ -23,13 +23,20 @@ import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .commitments import leaves_of, state_commitment, vector_root
+from .commitments import (
+    chunk_count,
+    chunk_ranges,
+    hash_chunks,
+    leaves_of,
+    state_commitment,
+    vector_root,
+)
 from .errors import RejectedInput
 from .memory import release_free_memory
 from .tasks.base import Dataset, Task
@@ -416,18 +423,48 @@ class _Trainer:
         self.step += 1
 
 
-class _Committer:
-    """Commits states on hashing threads while the trainer computes the next step.
+class CommitPool(ThreadPoolExecutor):
+    """A worker's hashing threads: each committed vector is hashed in ``width`` parts at once.
 
-    CPU buffers are hashed in place: the trainer's next optimizer step waits for
-    :meth:`wait`. CUDA buffers are first copied to pinned host memory on a side
-    stream, and only that copy must finish before the next step.
+    On CPU the cores that hash are the ones that train, so a state is hashed between two
+    steps by all of them rather than beside the next step's forward and backward pass
+    (which it would only slow down; specs/protocol.md section 10.4). On CUDA they hash
+    the state's pinned host copy while the device runs the next step.
+    """
+
+    def __init__(self, width: int) -> None:
+        if width < 1:
+            raise ValueError("a commit pool has at least one thread")
+        super().__init__(max_workers=width, thread_name_prefix="commit")
+        self.width = width
+
+    @classmethod
+    def for_device(cls, device: str | torch.device) -> CommitPool:
+        """As many threads as torch computes with on CPU; on a GPU, 4 host threads (at
+        about 4 GB/s each, enough for a 1B-parameter step of 7 ns/param: section 10.4)."""
+        if torch.device(device).type == "cpu":
+            return cls(torch.get_num_threads())
+        return cls(max(1, min(4, os.cpu_count() or 1)))
+
+
+Commit = tuple[str, tuple[bytes, bytes, bytes]]
+
+
+class _Committer:
+    """Commits states on the pool's threads (:class:`CommitPool`).
+
+    CPU: the buffers are hashed in place, by all the pool's threads, before the call
+    returns; the sink then runs on the pool while the next step's forward and backward
+    pass compute, and the next optimizer step waits for it (:meth:`before_step`).
+    CUDA: the buffers are first copied to pinned host memory on a side stream, and
+    only that copy must finish before the next step; hashing and sink run behind it.
     """
 
     def __init__(self, trainer: _Trainer, pool: Executor | None, sink: StateSink | None
                  ) -> None:
         self.trainer, self.pool, self.sink = trainer, pool, sink
-        self.pending: Future[tuple[str, tuple[bytes, bytes, bytes]]] | None = None
+        self.parts = getattr(pool, "width", 1) if pool is not None else 1
+        self.pending: Future[Commit] | None = None
         self.cuda = trainer.device.type == "cuda"
         if self.cuda:
             self.host = torch.empty((3, trainer.numel), dtype=torch.float32, pin_memory=True)
@@ -447,14 +484,38 @@ class _Committer:
         else:
             state = t.state()
         if self.pool is None:
-            self.pending = _done(self._commit(state))
-        else:
-            self.pending = self.pool.submit(self._commit, state)
+            if self.cuda:
+                self.copied.synchronize()
+            self.pending = _done(self._finish(state, [[_done(leaves_of_vector(v))]
+                                                      for v in state.vectors()]))
+            return
+        parts = self._hash(state)
+        if self.cuda:  # FIFO: every part is taken before _finish, so _finish cannot starve
+            self.pending = self.pool.submit(self._finish, state, parts)
+            return
+        for futures in parts:
+            for f in futures:
+                f.result()
+        self.pending = (self.pool.submit(self._finish, state, parts) if self.sink is not None
+                        else _done(self._finish(state, parts)))
 
-    def _commit(self, state: TrainingState) -> tuple[str, tuple[bytes, bytes, bytes]]:
-        if self.cuda:
-            self.copied.synchronize()
-        leaves = state.leaves()
+    def _hash(self, state: TrainingState) -> list[list[Future[bytes]]]:
+        """Futures of each vector's leaf ranges, ``self.parts`` of them per vector."""
+        assert self.pool is not None
+        ready = self.copied.synchronize if self.cuda else None
+
+        def part(view: memoryview, first: int, last: int) -> bytes:
+            if ready is not None:
+                ready()
+            return hash_chunks(view, first, last)
+
+        ranges = chunk_ranges(chunk_count(state.numel), self.parts)
+        return [[self.pool.submit(part, vector_bytes(v), a, b) for a, b in ranges]
+                for v in state.vectors()]
+
+    def _finish(self, state: TrainingState, parts: list[list[Future[bytes]]]) -> Commit:
+        leaves = tuple(b"".join(f.result() for f in futures) for futures in parts)
+        assert len(leaves) == 3
         if self.sink is not None:
             self.sink(state, leaves)
         return commitment_of(state.step, state.numel, leaves), leaves
@@ -468,7 +529,7 @@ class _Committer:
         else:
             self.pending.result()
 
-    def wait(self) -> tuple[str, tuple[bytes, bytes, bytes]]:
+    def wait(self) -> Commit:
         assert self.pending is not None
         out = self.pending.result()
         self.pending = None
@@ -600,7 +661,7 @@ def train_step_at(
 def replay_steps(
     task: Task,
     dataset: Dataset,
-    start: TrainingState,
+    start: TrainingState | torch.Tensor,
     rows: torch.Tensor,
     cfg: InnerConfig,
     *,
@@ -610,11 +671,19 @@ def replay_steps(
 ) -> list[str]:
     """Run ``rows`` again from a kept state, as the original run did: the commitments of
     the states after every k-th step (counted from step 0). A worker replays to rebuild
-    states it did not keep; on the same device and thread count they are the same bits."""
+    states it did not keep; on the same device and thread count they are the same bits.
+
+    ``start`` is a kept state or, for step 0, the round's base parameters (zero moments).
+    It may be memory-mapped from disk: it is read once into the trainer and dropped here,
+    so a caller that keeps no reference of its own does not hold it through the steps."""
     dev = torch.device(device)
     with deterministic_mode(dev, deterministic):
         trainer = _Trainer(task, dataset, cfg, dev)
-        trainer.load(start)
+        if isinstance(start, TrainingState):
+            trainer.load(start)
+        else:
+            trainer.load_base(start)
+        del start
         trail, _ = run_steps(trainer, rows, losses=[], commit_every=cfg.trail_every, sink=sink)
     return trail
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,6 +19,7 @@ from veritrain.protocol.tasks import (
 )
 from veritrain.protocol.tensors import flatten_params, load_flat_params
 from veritrain.protocol.training import (
+    CommitPool,
     ConfigError,
     InnerConfig,
     TrainingDivergedError,
@@ -64,11 +66,13 @@ def assignment(task, ds, cfg: InnerConfig, key: bytes = b"w1", r: int = 0) -> to
 # --- reproducibility ------------------------------------------------------------------
 
 
-def test_two_runs_bitwise_identical(charlm) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("make_pool", [lambda: ThreadPoolExecutor(1), lambda: CommitPool(1),
+                                       lambda: CommitPool(3)], ids=["executor", "pool1", "pool3"])
+def test_two_runs_bitwise_identical(charlm, make_pool) -> None:  # type: ignore[no-untyped-def]
     task, ds, base = charlm
     a = assignment(task, ds, CFG)
     r1 = local_train(task, ds, base, a, CFG)
-    with ThreadPoolExecutor(1) as pool:  # hashing on another thread changes nothing
+    with make_pool() as pool:  # hashing on other threads, in parts, changes nothing
         r2 = local_train(task, ds, base, a, CFG, pool=pool)
     assert r1.delta.numpy().tobytes() == r2.delta.numpy().tobytes()
     assert r1.trail == r2.trail and len(r1.trail) == 3 and len(set(r1.trail)) == 3
@@ -131,16 +135,19 @@ def test_flat_buffers_train_bitwise_like_the_obvious_loop(charlm) -> None:  # ty
     assert [st.commitment() for st in ref] == run.trail
 
 
-def test_sink_gets_each_state_with_its_leaves_before_it_changes(charlm) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("make_pool", [lambda: ThreadPoolExecutor(1), lambda: CommitPool(3)],
+                         ids=["executor", "pool3"])
+def test_sink_gets_each_state_with_its_leaves_before_it_changes(charlm, make_pool) -> None:  # type: ignore[no-untyped-def]
     task, ds, base = charlm
     a = assignment(task, ds, CFG)
     got: list[tuple[int, str, str]] = []
 
     def sink(state: TrainingState, leaves: tuple[bytes, bytes, bytes]) -> None:
+        time.sleep(0.05)  # a slow sink (a state written to disk): the next step must wait
         got.append((state.step, commitment_of(state.step, state.numel, leaves),
                     state.commitment()))
 
-    with ThreadPoolExecutor(1) as pool:
+    with make_pool() as pool:
         run = local_train(task, ds, base, a, CFG, sink=sink, pool=pool)
     assert [g[0] for g in got] == [2, 4, 6]
     assert [g[1] for g in got] == [g[2] for g in got] == run.trail
@@ -469,7 +476,7 @@ def test_cuda_matches_cpu_within_tolerance(charlm) -> None:  # type: ignore[no-u
     kept: dict[int, TrainingState] = {}
     gpu = local_train(task, ds, base, a, CFG, device="cuda", sink=lambda st, _: kept.__setitem__(
         st.step, TrainingState(*(v.clone() for v in st.vectors()), st.step)))
-    with ThreadPoolExecutor(1) as pool:
+    with CommitPool(2) as pool:
         again = local_train(task, ds, base, a, CFG, device="cuda", pool=pool)
     assert gpu.delta.device.type == "cpu" and gpu.trail == again.trail
     assert relative_distance(gpu.delta, cpu.delta) < 1e-3

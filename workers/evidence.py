@@ -50,6 +50,20 @@ from veritrain.protocol.training import (
 #: One committed state's leaf lists (params, exp_avg, exp_avg_sq).
 Leaves = tuple[bytes, bytes, bytes]
 
+#: Steps between the whole states a worker node keeps unless told otherwise. Writing a
+#: state is 12 bytes per parameter: every step, that write (about 2 s a step for an
+#: 85M-parameter model on this project's reference machine) costs more than the step
+#: itself; every 4th, the page cache absorbs it behind the training. A challenged step
+#: is then replayed from at most 3 steps back (specs/protocol.md section 10.4).
+DEFAULT_KEEP_STEPS = 4
+
+
+def default_keep_every(run: RunContext) -> int:
+    """The node's ``keep_every``: :data:`DEFAULT_KEEP_STEPS` rounded up to a multiple of
+    the trail's k (only committed states can be kept)."""
+    k = run.inner.trail_every
+    return k * -(-DEFAULT_KEEP_STEPS // k)
+
 
 class EvidenceMissing(Exception):
     """What a check opens cannot be produced: not kept, and a replay does not give the
@@ -62,6 +76,7 @@ class EvidenceStore(Protocol):
     def put_vector(self, name: str, vectors: tuple[torch.Tensor, ...]) -> None: ...
     def vector(self, name: str, part: int, numel: int) -> np.ndarray: ...
     def has(self, name: str) -> bool: ...
+    def discard_vector(self, name: str) -> None: ...
     def put_bytes(self, name: str, data: bytes) -> None: ...
     def get_bytes(self, name: str) -> bytes: ...
     def clear(self) -> None: ...
@@ -83,6 +98,9 @@ class MemoryStore:
 
     def has(self, name: str) -> bool:
         return name in self.vectors or name in self.blobs
+
+    def discard_vector(self, name: str) -> None:
+        self.vectors.pop(name, None)
 
     def put_bytes(self, name: str, data: bytes) -> None:
         self.blobs[name] = data
@@ -115,11 +133,15 @@ class DirStore:
         os.replace(tmp, self.path / f"{name}.f32")
 
     def vector(self, name: str, part: int, numel: int) -> np.ndarray:
-        return np.memmap(self.path / f"{name}.f32", dtype="<f4", mode="r",
+        """A copy-on-write map: read from disk as used, never written back."""
+        return np.memmap(self.path / f"{name}.f32", dtype="<f4", mode="c",
                          offset=4 * numel * part, shape=(numel,))
 
     def has(self, name: str) -> bool:
         return (self.path / f"{name}.f32").exists() or (self.path / name).exists()
+
+    def discard_vector(self, name: str) -> None:
+        (self.path / f"{name}.f32").unlink(missing_ok=True)
 
     def put_bytes(self, name: str, data: bytes) -> None:
         tmp = self.path / f"{name}.tmp"
@@ -220,23 +242,28 @@ class RoundEvidence:
         with self._lock:
             start_step = next(s for s in range(step - 1, -1, -1)
                               if s == 0 or self.store.has(f"state-{s}"))
-            if start_step == 0:
-                start = TrainingState.initial(torch.from_numpy(
-                    np.array(self.store.vector("base", 0, self.numel))))
-            else:
-                start = TrainingState(*(torch.from_numpy(np.array(
-                    self.store.vector(f"state-{start_step}", v, self.numel))) for v in range(3)),
-                    start_step)
             rows = self.run.assignment(self.round, self.worker)[start_step:step]
             k = self.run.inner.trail_every
-            replayed = replay_steps(self.run.task, self.run.dataset, start, rows, self.run.inner,
+            # The start is mapped, not copied, and only replay_steps holds it: no second
+            # 12 bytes per parameter next to the trainer's (issue #18, item 3).
+            replayed = replay_steps(self.run.task, self.run.dataset,
+                                    self._replay_start(start_step), rows, self.run.inner,
                                     device=device, sink=self._replay_sink(step))
             for entry, at in zip(replayed, range(start_step + k, step + 1, k), strict=True):
                 if entry != trail[at // k - 1]:
+                    # What the replay kept is not the committed state: never reveal it.
+                    self.store.discard_vector(f"state-{step}")
                     raise EvidenceMissing(f"replaying to step {at} gave another commitment "
                                           "than the trail's: this machine does not reproduce "
                                           "its own training (device, threads or kernels "
                                           "changed?)")
+
+    def _replay_start(self, step: int) -> TrainingState | torch.Tensor:
+        """The kept state at ``step`` (the round's base at step 0) as views of the store."""
+        if step == 0:
+            return torch.from_numpy(self.store.vector("base", 0, self.numel))
+        return TrainingState(*(torch.from_numpy(self.store.vector(f"state-{step}", v, self.numel))
+                               for v in range(3)), step)
 
     def _replay_sink(self, want: int) -> Callable[[TrainingState, Leaves], None]:
         def sink(state: TrainingState, leaves: Leaves) -> None:

@@ -18,7 +18,6 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,8 +49,9 @@ from veritrain.protocol.receipts import (
 )
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import hash_flat
+from veritrain.protocol.training import CommitPool
 
-from .evidence import EvidenceMissing, RoundEvidence, file_sha256
+from .evidence import EvidenceMissing, RoundEvidence, default_keep_every, file_sha256
 from .masked import SECAGG_ATTACKS, take_part
 from .round import ATTACKS, prepare_submission
 from .state import WorkerState
@@ -69,8 +69,8 @@ class WorkerConfig:
     retry_for: float = 300.0
     attack: str | None = None
     progress: bool = True
-    #: Keep every n-th step's whole state for reveals (None: every committed state);
-    #: larger saves disk, and a challenged step between kept states is replayed.
+    #: Keep every n-th step's whole state for reveals (None: :func:`default_keep_every`);
+    #: larger saves disk and writes, and a challenged step between kept states is replayed.
     keep_every: int | None = None
     #: Where to write what the node sent and received and how long its rounds took (JSON,
     #: rewritten after every round), or None.
@@ -116,8 +116,8 @@ class WorkerNode:
         self.config = config
         self.identity = identity
         self.me = identity.public_key.hex()
-        #: Hashes each step's state commitment while the next step computes.
-        self.hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit")
+        #: Hashes each step's state commitment (protocol/training.py: CommitPool).
+        self.hashing = CommitPool.for_device(config.device)
         self.refused: set[int] = set()
         self.ledger_key = ""
         self.stats: list[dict[str, Any]] = []  # one entry per submitted round
@@ -220,7 +220,7 @@ class WorkerNode:
         steps = StepClock(ProgressLine(self.config.progress, r, run.inner.steps))
         store = state.evidence_store(r)
         evidence = RoundEvidence(store, run, r, self.me,
-                                 keep_every=self.config.keep_every or run.inner.trail_every)
+                                 keep_every=self.config.keep_every or default_keep_every(run))
         prepared = await asyncio.to_thread(
             prepare_submission, run, self.identity, r, base_flat, info["base_model_hash"],
             state.error_feedback, evidence=evidence, attack=self.config.attack,
