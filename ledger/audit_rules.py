@@ -677,7 +677,8 @@ def process_round_finalized(state: AuditState, index: int, body: dict[str, Any]
                             ) -> RoundState:
     """9.3 ``round_finalized``: "the certificate (section 7.4) ...; a recorded `round_result`
     carries the certified state; its verdicts cover exactly the round's sealed list".
-    Here the certificate's run, round and signers (a quorum of the validator set); its
+    Here the certificate's run, round and signers (a quorum of the validator set, none
+    with a proven ``shard_fault`` in the round); its
     BLS signature is the engine's (batched, 9.5). Then the round's bans and penalties
     (:func:`check_bans_and_penalties`), and the certified model is the next round's
     base. Returns the round, its ``certified`` result set."""
@@ -691,6 +692,8 @@ def process_round_finalized(state: AuditState, index: int, body: dict[str, Any]
     if len(set(signers)) != len(signers) or len(signers) < spec.quorum or any(
             k >= len(spec.validators) for k in signers):
         raise Bad("certificate signers are not a quorum of the validator set")
+    if set(signers) & rnd.shard_faults:
+        raise Bad("certificate counts a validator whose shard a quorum proved faulty")
     match = [res for res in rnd.results if res.message.certified == checked["certified"]]
     if not match:
         raise Bad("no recorded validator result carries the certified state")

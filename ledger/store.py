@@ -901,12 +901,18 @@ class LedgerStore:
                     lambda kind, body: self._ledger_event(s, res.run_id, kind, body))
                 self._publish(staged)
                 return {"status": "finalized", "certificate": False}
+            # A validator whose shard a quorum proved faulty does not count (secure-averaging
+            # E.1, step 4): its result stays recorded, its attestation is left out.
+            faulted = shards.faulted_validators(s, spec, res.round) if spec.shards else set()
             agreeing = [
-                open_signed(decode_canonical(row.body, max_bytes=MAX_RESULT_BYTES),
-                            RoundResult).message
-                for row in s.execute(select(t.RoundResultRow).where(
-                    t.RoundResultRow.run_id == res.run_id, t.RoundResultRow.round == res.round,
-                    t.RoundResultRow.certified_digest == certified_digest)).scalars().all()
+                result for result in (
+                    open_signed(decode_canonical(row.body, max_bytes=MAX_RESULT_BYTES),
+                                RoundResult).message
+                    for row in s.execute(select(t.RoundResultRow).where(
+                        t.RoundResultRow.run_id == res.run_id,
+                        t.RoundResultRow.round == res.round,
+                        t.RoundResultRow.certified_digest == certified_digest)).scalars().all())
+                if spec.validator_index(result.validator) not in faulted
             ]
             if len(agreeing) < spec.quorum:
                 self._publish(staged)

@@ -332,6 +332,7 @@ def test_invalid_round_result_whose_lists_are_not_the_certified_ones():
     ("signers", "certificate signers are not a quorum of the validator set"),
     ("uncovered", "certified verdicts do not cover exactly the sealed submissions"),
     ("round", "certificate is for rules-run round 1"),
+    ("faulted", "certificate counts a validator whose shard a quorum proved faulty"),
 ])
 def test_invalid_round_finalized(case, problem):
     rnd = beaconed_round()
@@ -346,6 +347,8 @@ def test_invalid_round_finalized(case, problem):
     if case == "round":
         state.rounds[1] = closed_round(1)
         body["round"] = 1
+    if case == "faulted":  # signer 1's shard was proven faulty earlier in the round
+        rnd.shard_faults.add(1)
     raises(problem, rules.process_round_finalized, state, 42, body)
     assert rnd.certified is None and state.next_base is None
     raises("run finished with a round not finalized", rules.check_run_finished, state, 43, {})

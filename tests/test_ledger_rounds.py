@@ -5,59 +5,12 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from fakes import FakeRun, make_fake_run, make_submission
-from ledger_harness import Api, run_api
-from veritrain.protocol.beacon import beacon_root, beacon_seed_of, sealed_list_digest_of
+from fakes import make_fake_run, make_submission
+from ledger_harness import Api, post_result, post_share, run_api, verdict
+from veritrain.protocol.beacon import beacon_seed_of
 from veritrain.protocol.certificates import verify_certificate
 from veritrain.protocol.identity import Identity
-from veritrain.protocol.messages import (
-    BeaconShare,
-    CertifiedState,
-    RoundResult,
-    digest_of,
-    sign,
-)
 from veritrain.protocol.rules import PENALIZED_REASONS
-
-
-async def post_share(api: Api, run: FakeRun, v: Identity, r: int) -> dict:
-    sealed = sealed_list_digest_of(
-        (await api.get(f"/v1/runs/{run.spec.run_id}/rounds/{r}/submissions"))[1]["submissions"])
-    share = BeaconShare(run_id=run.spec.run_id, round=r, validator=v.public_key.hex(),
-                        share=v.sign_bls(beacon_root(run.spec.run_id, r)).hex(), sealed=sealed)
-    status, body = await api.post_json(f"/v1/runs/{run.spec.run_id}/rounds/{r}/beacon",
-                                       sign(v, share).to_wire())
-    assert status == 200, body
-    return body
-
-
-def verdict(worker: Identity, digest: str, ok: bool, reason: str = "spot_check_failed"
-            ) -> dict:
-    return {"worker": worker.public_key.hex(), "submission_digest": digest,
-            "status": "accepted" if ok else "rejected",
-            "reason": "" if ok else reason,
-            "detail": "" if ok else "segment 1: recomputed state differs by 0.8",
-            "spot_checked": True, "distance": 0.0 if ok else 0.8, "checks": []}
-
-
-async def post_result(api: Api, run: FakeRun, v: Identity, r: int, base: str, seed: str,
-                      verdicts: list, rewards: dict[str, float], model: bytes) -> tuple[int, dict]:
-    scores = [{"worker": x["worker"], "samples": 80, "quality": 1.0,
-               "score": 80.0 if x["status"] == "accepted" else 0.0,
-               "reward": rewards.get(x["worker"], 0.0)} for x in verdicts]
-    outer, update = b"momentum " + model, b"update " + model
-    certified = CertifiedState(
-        run_id=run.spec.run_id, round=r + 1, model_hash=hashlib.sha256(model).hexdigest(),
-        outer_state_hash=hashlib.sha256(outer).hexdigest(),
-        update_hash=hashlib.sha256(update).hexdigest(), verdicts_hash=digest_of(verdicts),
-        scores_hash=digest_of(scores), eval_loss=2.0)
-    result = RoundResult(run_id=run.spec.run_id, round=r, validator=v.public_key.hex(),
-                         base_model_hash=base, beacon_seed=seed, verdicts=verdicts,
-                         scores=scores, certified=certified.to_body(),
-                         attestation=v.sign_bls(certified.signing_root()).hex())
-    return await api.post_parts(f"/v1/runs/{run.spec.run_id}/rounds/{r}/results",
-                                [("result", sign(v, result).encode()), ("model", model),
-                                 ("outer_state", outer), ("update", update)])
 
 
 def test_quorum_certifies_and_a_dissenting_validator_is_recorded(tmp_path):

@@ -16,12 +16,14 @@ import json
 
 from fakes import make_fake_run, make_submission
 from ledger_backends import make_fixture
-from ledger_harness import Api, run_api
+from ledger_harness import Api, run_api, verdict
+from ledger_harness import post_result as post_round_result
 from veritrain.ledger.audit import fetch_events, verify_events
 from veritrain.ledger.client import LedgerClient
 from veritrain.ledger.store import LedgerStore
 from veritrain.protocol.beacon import (
     beacon_root,
+    beacon_seed_of,
     compute_beacon_seed,
     sealed_list_digest_of,
     shard_check_root,
@@ -74,7 +76,8 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypat
     async def scenario(api: Api):
         await api.create_run(run)
         await api.register(run, worker)
-        await api.submit(make_submission(run, worker, b"p" * 8), b"p" * 8)
+        submission = make_submission(run, worker, b"p" * 8)
+        await api.submit(submission, b"p" * 8)
         while (await api.get(f"/v1/runs/{RUN}/rounds/0"))[1]["status"] == "open":
             await asyncio.sleep(0.05)
         out = {"early": await post_result(api, v0, _publication(v0, 0, b"a"), b"a")}
@@ -83,7 +86,8 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypat
         for v in (v0, v1):
             share = BeaconShare(run_id=RUN, round=0, validator=v.public_key.hex(),
                                 share=v.sign_bls(beacon_root(RUN, 0)).hex(), sealed=sealed)
-            await api.post_json(f"/v1/runs/{RUN}/rounds/0/beacon", sign(v, share).to_wire())
+            beacon = (await api.post_json(f"/v1/runs/{RUN}/rounds/0/beacon",
+                                          sign(v, share).to_wire()))[1]["beacon"]
         pub0 = _publication(v0, 0, b"a")
         out["first"] = await post_result(api, v0, pub0, b"a")
         out["again"] = await post_result(api, v0, pub0, b"a")
@@ -122,6 +126,16 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypat
         out["self_finding"] = await api.post_json(
             base + "/findings", sign(v0, _finding(v0, v0, 0, d0)).to_wire())
         out["view"] = (await api.get(base))[1]
+        # The faulted publisher's attestation does not count: its result and v1's agree,
+        # but only v2's makes a quorum, and v0 is not among the certificate's signers.
+        seed = beacon_seed_of(beacon)
+        verdicts = [verdict(worker, submission.digest, True)]
+        rewards = {worker.public_key.hex(): 100.0}
+        genesis = run.spec.genesis_model_hash
+        for v in (v0, v1, v2):
+            out[f"result{run.validators.index(v)}"] = await post_round_result(
+                api, run, v, 0, genesis, seed, verdicts, rewards, b"M1")
+        out["info"] = (await api.get(f"/v1/runs/{RUN}/rounds/0"))[1]
         async with LedgerClient(api.url) as client:
             key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
             out["audit"] = verify_events(await fetch_events(client, RUN), key)
@@ -159,6 +173,9 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypat
     faults = [json.loads(e.body) for e in out["events"] if e.kind == "shard_fault"]
     assert [f["penalty"] for f in faults] == ["excluded_from_quorum"]  # the fault's cost
     assert view["list"] == [out["view"]["results"][0]["body"]["result_digest"], None, None]
+    assert [out[f"result{i}"][1]["certificate"] for i in range(3)] == [False, False, True]
+    assert out["result1"][1]["attestations"] == 1  # v0's equal result left out
+    assert out["info"]["certificate"]["signers"] == [1, 2]
     assert out["audit"].ok, out["audit"].problem
     assert out["full"].ok, out["full"].problem
     stored = {p.name for p in (tmp_path / "ledger").rglob("*") if p.is_file()}
