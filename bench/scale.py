@@ -181,6 +181,7 @@ def run_swarm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             write_key_file(key, ident)
             proc = procs.start(f"validator-{i}", [
                 "validator", "--ledger", url, "--key", str(key), "--run", "scale-run",
+                "--state-dir", str(work / f"validator-{i}"),
                 "--stats", str(work / f"validator-{i}.stats.json")])
             rss.watch(f"validator-{i}", proc.pid)
         for i, ident in enumerate(workers):
@@ -364,6 +365,7 @@ def run_validator_only(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         write_key_file(key, validator)
         proc = procs.start("validator-0", [
             "validator", "--ledger", url, "--key", str(key), "--run", "scale-run",
+            "--state-dir", str(work / "validator-0"),
             "--stats", str(work / "validator-0.stats.json")])
         rss.watch("validator-0", proc.pid)
         deadline = time.monotonic() + args.timeout

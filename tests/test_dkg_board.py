@@ -5,6 +5,7 @@ signature is named."""
 
 from __future__ import annotations
 
+import stat
 import types
 from typing import Any
 
@@ -16,7 +17,14 @@ from veritrain.protocol.board import BoardFault
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import sign
-from veritrain.validators.dkg import DkgNode, beacon_seed_from_partials
+from veritrain.validators.dkg import (
+    DkgNode,
+    ShareFileError,
+    beacon_seed_from_partials,
+    load_share,
+    save_share,
+    share_path,
+)
 
 V, QUORUM, RUN, R = 4, 3, "dkg-board-run", 5
 VALIDATORS = validator_identities(V)
@@ -173,3 +181,25 @@ def test_a_deal_forged_by_the_ledger_is_skipped():
     nodes, board = run_dkg(forge_deal=True)
     assert board.result.qualified == [0, 1, 2, 3]
     assert all(any("signed by" in x for x in n.faults) for n in nodes)
+
+
+def test_a_kept_share_is_read_back_only_if_it_is_this_validators(honest, tmp_path) -> None:
+    nodes, _ = honest
+    result = nodes[0].result
+    path = share_path(tmp_path / "state", RUN)
+    assert load_share(path, SPEC, result, 1) is None  # nothing kept: nothing to restore
+    save_share(path, SPEC, 1, nodes[1].share)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_share(path, SPEC, result, 1) == nodes[1].share
+    with pytest.raises(ShareFileError, match="does not hold this validator's share"):
+        load_share(path, SPEC, result, 2)  # another validator's public share
+    other = types.SimpleNamespace(**{**vars(SPEC), "run_id": "another-run"})
+    with pytest.raises(ShareFileError, match="does not hold"):
+        load_share(path, other, result, 1)
+    path.chmod(0o644)
+    with pytest.raises(ShareFileError, match="accessible by others"):
+        load_share(path, SPEC, result, 1)
+    path.chmod(0o600)
+    path.write_text('{"share": "zz"}')
+    with pytest.raises(ShareFileError, match="malformed"):
+        load_share(path, SPEC, result, 1)

@@ -60,8 +60,9 @@ def start_nodes(procs: LocalProcesses, tmp_path: Path, url: str, run_id: str,
     the run: every worker then registers before it exists and takes part from round 0."""
     for name, (role, *extra) in nodes.items():
         args = [role, "--ledger", url, "--key", str(tmp_path / f"{name}.key"), "--run", run_id]
+        args += ["--state-dir", str(tmp_path / "state" / name)]
         if role == "worker":
-            args += ["--no-progress", "--state-dir", str(tmp_path / "state" / name)]
+            args += ["--no-progress"]
         procs.start(name, [*args, *extra])
     deadline = time.monotonic() + 300
     while not all("waiting for run" in (tmp_path / "logs" / f"{n}.log").read_text()
@@ -331,8 +332,9 @@ def test_bond_run_end_to_end_refuses_unbonded_keys_and_slashes_a_cheater(tmp_pat
             role = "validator" if name == "validator" else "worker"
             args = [role, "--ledger", url, "--key", str(tmp_path / f"{name}.key"), "--run",
                     run_id, *extra]
+            args += ["--state-dir", str(tmp_path / "state" / name)]
             if role == "worker":
-                args += ["--no-progress", "--state-dir", str(tmp_path / "state" / name)]
+                args += ["--no-progress"]
             procs.start(name, args)
         unbonded = _cli("worker", "--ledger", url, "--key", str(tmp_path / "unbonded.key"),
                         "--run", run_id, "--no-progress", "--retry-for", "10", "--state-dir",

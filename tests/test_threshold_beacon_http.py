@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import stat
 
 from fakes import validator_identities
 from ledger_harness import Api, reveal_all, run_api
@@ -20,6 +21,7 @@ from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import sign
 from veritrain.protocol.organiser import build_run
 from veritrain.protocol.runtime import RunContext
+from veritrain.validators.dkg import save_share, share_path
 from veritrain.validators.node import ValidatorConfig, ValidatorNode
 
 RUN = "threshold-run"
@@ -41,12 +43,32 @@ def test_threshold_beacon_round_over_http(tmp_path):
 
     async def scenario(api: Api):
         await submit_all(api, bundle, workers, prepared)
-        nodes = [ValidatorNode(ValidatorConfig(ledger_url=api.url, run_id=RUN,
-                                               poll_seconds=0.05), v) for v in validators]
+        def node(i: int) -> ValidatorNode:
+            return ValidatorNode(ValidatorConfig(ledger_url=api.url, run_id=RUN,
+                                                 poll_seconds=0.05,
+                                                 state_dir=tmp_path / f"v{i}"), validators[i])
+
+        nodes = [node(i) for i in range(3)]
         async with LedgerClient(api.url, retry_for=5.0) as client:
             groups = await asyncio.gather(*(n.run_dkg(client, spec) for n in nodes))
             assert len({g.group_key for g in groups}) == 1
             assert all(n.dkg_node.share is not None for n in nodes)
+            # Validator 2 restarts: it takes its share back from its state directory (mode
+            # 0600) and signs beacons again; a share file that does not match its public
+            # share is refused, and that node only verifies.
+            kept = share_path(tmp_path / "v2", RUN)
+            assert stat.S_IMODE(kept.stat().st_mode) == 0o600
+            share2 = nodes[2].dkg_node.share
+            nodes[2] = node(2)
+            assert (await nodes[2].run_dkg(client, spec)).group_key == groups[0].group_key
+            assert nodes[2].dkg_node.share == share2
+            tampered = node(1)
+            tampered.config.state_dir = tmp_path / "v1-tampered"
+            save_share(share_path(tmp_path / "v1-tampered", RUN), spec, 1, share2)
+            await tampered.run_dkg(client, spec)
+            assert tampered.dkg_node is None
+            assert [f["kind"] for f in tampered.faults] == ["dkg_share"]
+            assert "does not hold this validator's share" in tampered.faults[0]["detail"]
             view = (await api.get(f"/v1/runs/{RUN}/dkg"))[1]
             assert view["group"]["group_key"] == groups[0].group_key
 

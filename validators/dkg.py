@@ -10,7 +10,11 @@ skipped. The deal, the result and each round's partial are signed once
 
 from __future__ import annotations
 
+import json
+import os
+import stat
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -134,6 +138,15 @@ class DkgNode:
             self.share = None
         return agreed
 
+    @classmethod
+    def restored(cls, identity: Identity, spec: RunSpec, result: dkg.DkgResult, share: int,
+                 *, signed_once: SignedOnce | None = None) -> DkgNode:
+        """After a restart: the node that holds ``share`` of the agreed ``result`` (checked
+        by :func:`load_share`), ready to sign partials."""
+        node = cls(identity, spec, signed_once=signed_once)
+        node.result, node.share = result, share
+        return node
+
     # every round
     def partial_post(self, round_index: int, sealed: str) -> dict[str, Any] | None:
         """This validator's partial signature over (run, r, sealed), signed once per round;
@@ -161,3 +174,52 @@ def beacon_seed_from_partials(result: dkg.DkgResult, spec: RunSpec, round_index:
                                   sealed=sealed, quorum=spec.quorum, faults=faults)
     return dkg.verify_threshold_beacon(result.group_key, spec.run_id, round_index,
                                        {"signature": sig.hex()}, sealed=sealed)
+
+
+# --- the secret share on disk ----------------------------------------------------------
+
+
+class ShareFileError(ValueError):
+    """A share file that is not this validator's share of this run's agreed group key."""
+
+
+def share_path(state_dir: Path, run_id: str) -> Path:
+    """Where a validator keeps its secret share of run ``run_id``'s group key."""
+    return state_dir / f"dkg-share-{run_id}.json"
+
+
+def save_share(path: Path, spec: RunSpec, index: int, share: int) -> None:
+    """Write the share with mode 0600 (created so, never widened), atomically: a restarted
+    validator signs beacons again instead of only verifying them (5.4a)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    body = {"run_id": spec.run_id, "index": index, "share": f"{share:064x}",
+            "public_share": bls.public_key(share).hex()}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(body, fh, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def load_share(path: Path, spec: RunSpec, result: dkg.DkgResult, index: int) -> int | None:
+    """The share kept at ``path``, or None when there is none. :class:`ShareFileError` when
+    others can read it, or it is not a share of ``spec``'s run whose public share is this
+    validator's (``index``) in the agreed ``result``: a stale or foreign share never signs."""
+    if not path.exists():
+        return None
+    mode = path.stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ShareFileError(f"share file {path} is accessible by others "
+                             f"(mode {stat.S_IMODE(mode):o}); chmod 600 it")
+    try:
+        body = json.loads(path.read_text())
+        share = int(body["share"], 16)
+        ok = (body["run_id"] == spec.run_id and body["index"] == index
+              and 0 < share < dkg.R)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ShareFileError(f"share file {path} is malformed: {exc}") from exc
+    if not ok or bls.public_key(share).hex() != result.public_shares[index]:
+        raise ShareFileError(f"share file {path} does not hold this validator's share of "
+                             f"run {spec.run_id}'s agreed group key")
+    return share

@@ -40,7 +40,7 @@ from veritrain.protocol.beacon import (
     sealed_list_digest_of,
     verify_fixed_beacon,
 )
-from veritrain.protocol.board import SignedOnce
+from veritrain.protocol.board import BoardFault, SignedOnce
 from veritrain.protocol.challenges import ChallengePolicy, max_reveal_file_bytes
 from veritrain.protocol.errors import NonFiniteError, PayloadError, RejectedInput
 from veritrain.protocol.identity import Identity
@@ -64,7 +64,7 @@ from veritrain.protocol.secagg import check_dealt, words_file_bytes
 from veritrain.protocol.tensors import ParamShapes, _header, all_finite, sha256_hex, split_flat
 
 from .checks import Candidate
-from .dkg import DkgNode
+from .dkg import DkgNode, ShareFileError, load_share, save_share, share_path
 from .masked import filter_masked_round, words_of
 from .membership import admitted_workers
 from .round import (
@@ -105,8 +105,11 @@ class ValidatorConfig:
     #: removed when the round is done); None: the system's temporary directory.
     scratch_dir: Path | None = None
     #: The JSON file where the node keeps the lists it signed, one per kind and round
-    #: (protocol/board.py ``SignedOnce``); None: in memory only.
+    #: (protocol/board.py ``SignedOnce``); None: ``state_dir``'s, or in memory only.
     signed_path: Path | None = None
+    #: What a validator keeps across restarts (mode 0700): the lists it signed and its
+    #: secret share of each threshold-beacon run's group key; None: nothing (tests).
+    state_dir: Path | None = None
 
 
 class ValidatorNode:
@@ -118,11 +121,15 @@ class ValidatorNode:
         self.me = identity.public_key.hex()
         self.stats: list[dict[str, Any]] = []  # one entry per certified round
         self.faults: list[dict[str, Any]] = []  # what went wrong, by round (never fatal)
-        self.signed_once = SignedOnce.in_file(config.signed_path)
+        signed_path = config.signed_path or (
+            config.state_dir / "signed-once.json" if config.state_dir is not None else None)
+        if signed_path is not None:
+            signed_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.signed_once = SignedOnce.in_file(signed_path)
         self.skipped_posts: list[dict[str, Any]] = []  # board posts that did not check out
         #: Threshold-beacon runs (specs/protocol.md 5.4a): this node's side of the run's DKG
-        #: (its secret share; None after a restart: it then verifies, never signs) and the
-        #: group result a quorum of validators signed.
+        #: (its secret share, kept in ``state_dir``; without it, after a restart, the node
+        #: verifies beacons and never signs them) and the group result a quorum signed.
         self.dkg_node: DkgNode | None = None
         self.dkg_result: dkg.DkgResult | None = None
 
@@ -245,8 +252,10 @@ class ValidatorNode:
         """Take part in the run's DKG over the ledger's board (validators/dkg.py): each
         phase's post once the ledger opens that phase, from the posts it served for the
         one before (each opened and checked again here); then the result a quorum signed.
-        A node that finds the group fixed already (a restart) holds no share: it verifies
-        beacons, never signs them. ``dkg_failed`` when fewer than a quorum qualified."""
+        A node that finds the group fixed already (a restart) takes its share back from
+        ``state_dir`` if it kept one there that matches its public share in the agreed
+        result; otherwise it verifies beacons and never signs them. ``dkg_failed`` when
+        fewer than a quorum qualified."""
         path = f"/v1/runs/{spec.run_id}/dkg"
         view = await client.get_json(path)
         if view["group"] is None and not view["failed"]:
@@ -269,6 +278,10 @@ class ValidatorNode:
                     wire = steps[kind](view["posts"])
                 except dkg.DkgFault as exc:
                     raise RejectedInput(f"the run's DKG failed: {exc}", "dkg_failed") from exc
+                except BoardFault as exc:  # restarted mid-DKG: its first deal stays its only
+                    log.warning("not taking part in the rest of the DKG: %s", exc)
+                    self.faults.append({"round": None, "kind": "dkg", "detail": str(exc)})
+                    break
                 if wire is not None and view["phase"] == kind:
                     try:
                         await client.post_message(path, wire)
@@ -287,7 +300,31 @@ class ValidatorNode:
                                                       spec.run_id, view["posts"]["dkg_result"])
         except dkg.DkgFault as exc:
             raise RejectedInput(f"the run's DKG failed: {exc}", "dkg_failed") from exc
+        if self.config.state_dir is not None:
+            self._keep_or_restore_share(spec, self.dkg_result)
         return self.dkg_result
+
+    def _keep_or_restore_share(self, spec: RunSpec, result: dkg.DkgResult) -> None:
+        """Write a fresh share to ``state_dir``; after a restart, read it back (a share
+        file that does not match is reported and left alone: this node then only verifies)."""
+        assert self.config.state_dir is not None
+        path = share_path(self.config.state_dir, spec.run_id)
+        index = spec.validator_index(self.me)
+        assert index is not None
+        if self.dkg_node is not None and self.dkg_node.share is not None:
+            save_share(path, spec, index, self.dkg_node.share)
+            return
+        if self.dkg_node is not None:
+            return  # this node took part and holds no share: nothing to keep or restore
+        try:
+            share = load_share(path, spec, result, index)
+        except ShareFileError as exc:
+            log.warning("%s", exc)
+            self.faults.append({"round": None, "kind": "dkg_share", "detail": str(exc)})
+            return
+        if share is not None:
+            self.dkg_node = DkgNode.restored(self.identity, spec, result, share,
+                                             signed_once=self.signed_once)
 
     async def threshold_beacon_seed(self, client: LedgerClient, spec: RunSpec, r: int,
                                     sealed: str) -> bytes:

@@ -287,9 +287,11 @@ def cmd_validator(args: argparse.Namespace) -> int:
     _check_ledger_url(args.ledger)
     identity = _read_key(args.key)
     _check_device(args.device)
+    state_dir = Path(args.state_dir) if args.state_dir else (
+        Path.home() / ".veritrain" / f"validator-{identity.public_key.hex()[:16]}")
     config = ValidatorConfig(ledger_url=args.ledger, run_id=args.run, device=args.device,
                              retry_for=args.retry_for, shard_wait=args.shard_wait,
-                             attack=args.attack,
+                             attack=args.attack, state_dir=state_dir,
                              stats_path=Path(args.stats) if args.stats else None)
     asyncio.run(ValidatorNode(config, identity).run(max_rounds=args.max_rounds))
     return 0
@@ -512,6 +514,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "forge_reveal"],
                            help="evaluation only: behave as this kind of cheater")
         else:
+            n.add_argument("--state-dir", help="the lists this validator signed and its "
+                           "secret beacon key shares, kept across restarts (default "
+                           "~/.veritrain/validator-<key>)")
             n.add_argument("--shard-wait", type=float, default=120.0,
                            help="sharded runs: seconds to wait for the other validators' "
                            "shards before they are recomputed")

@@ -108,7 +108,7 @@ def crash_drill(work_dir: Path, rounds: int = 4,
     def start(name: str) -> None:
         if name == "validator":
             args = ["validator", "--ledger", url, "--key", str(work_dir / "validator.key"),
-                    "--run", RUN_ID]
+                    "--run", RUN_ID, "--state-dir", str(work_dir / "validator-state")]
         else:
             args = ["worker", "--ledger", url, "--key", str(work_dir / f"{name}.key"),
                     "--run", RUN_ID, "--no-progress", "--state-dir", str(work_dir / name)]

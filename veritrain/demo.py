@@ -114,7 +114,7 @@ def _run_swarm(procs: LocalProcesses, url: str, run_id: str, validators: list[tu
                device: str, timeout: float, shard_cheater: int | None = None) -> dict[str, Any]:
     for i, (path, _) in enumerate(validators):
         args = ["validator", "--ledger", url, "--key", str(path), "--run", run_id,
-                "--device", device]
+                "--device", device, "--state-dir", str(out / "validator-state" / f"v{i}")]
         if i == shard_cheater:
             args += ["--attack", "shard_shift"]
         procs.start(f"{run_id}-validator-{i}", args)
