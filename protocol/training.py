@@ -174,6 +174,17 @@ class TrainingState:
         return commitment_of(self.step, self.numel, self.leaves())
 
 
+@dataclass(frozen=True)
+class StoredState:
+    """A state kept elsewhere (a worker's disk), read straight into a trainer's buffers, so
+    that no second copy sits beside them: ``read(vector, out)`` fills the float32 CPU
+    tensor ``out`` with vector 0 (params), 1 (exp_avg) or 2 (exp_avg_sq). At ``step`` 0 only
+    the params are read and the moments are zero (a round's start)."""
+
+    step: int
+    read: Callable[[int, torch.Tensor], None]
+
+
 def vector_bytes(vec: torch.Tensor) -> memoryview:
     """The float32 little-endian bytes of a contiguous CPU vector, without a copy."""
     if vec.device.type != "cpu" or vec.dtype != torch.float32 or not vec.is_contiguous():
@@ -383,6 +394,24 @@ class _Trainer:
         for p in self.params:
             self.opt.state[p]["step"].fill_(float(start.step))
         self.step = start.step
+
+    def load_stored(self, stored: StoredState) -> None:
+        """Make a :class:`StoredState` the current state, read vector by vector into the
+        buffers (through one CPU staging vector on another device)."""
+        buffers = (self.flat, self.exp_avg, self.exp_avg_sq)
+        staging = None if self.device.type == "cpu" else torch.empty(self.numel)
+        with torch.no_grad():
+            for i, buf in enumerate(buffers):
+                if stored.step == 0 and i > 0:
+                    buf.zero_()
+                elif staging is None:
+                    stored.read(i, buf)
+                else:
+                    stored.read(i, staging)
+                    buf.copy_(staging)
+        for p in self.params:
+            self.opt.state[p]["step"].fill_(float(stored.step))
+        self.step = stored.step
 
     def load_base(self, base_flat: torch.Tensor) -> None:
         """Make the round's start the current state: ``base_flat``, zero moments, step 0
@@ -661,7 +690,7 @@ def train_step_at(
 def replay_steps(
     task: Task,
     dataset: Dataset,
-    start: TrainingState | torch.Tensor,
+    start: TrainingState | StoredState,
     rows: torch.Tensor,
     cfg: InnerConfig,
     *,
@@ -673,17 +702,15 @@ def replay_steps(
     the states after every k-th step (counted from step 0). A worker replays to rebuild
     states it did not keep; on the same device and thread count they are the same bits.
 
-    ``start`` is a kept state or, for step 0, the round's base parameters (zero moments).
-    It may be memory-mapped from disk: it is read once into the trainer and dropped here,
-    so a caller that keeps no reference of its own does not hold it through the steps."""
+    ``start`` is a state in memory or a :class:`StoredState` read from disk straight into
+    the trainer (a worker's replay then holds one state, not two)."""
     dev = torch.device(device)
     with deterministic_mode(dev, deterministic):
         trainer = _Trainer(task, dataset, cfg, dev)
-        if isinstance(start, TrainingState):
-            trainer.load(start)
+        if isinstance(start, StoredState):
+            trainer.load_stored(start)
         else:
-            trainer.load_base(start)
-        del start
+            trainer.load(start)
         trail, _ = run_steps(trainer, rows, losses=[], commit_every=cfg.trail_every, sink=sink)
     return trail
 

@@ -42,6 +42,7 @@ from veritrain.protocol.messages import Submission
 from veritrain.protocol.reveal import RevealLayout, reveal_layout, write_reveal
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.training import (
+    StoredState,
     TrainingState,
     leaves_of_vector,
     replay_steps,
@@ -76,6 +77,7 @@ class EvidenceStore(Protocol):
     def put_vector(self, name: str, vectors: tuple[torch.Tensor, ...]) -> None: ...
     def vector(self, name: str, part: int, numel: int) -> np.ndarray: ...
     def has(self, name: str) -> bool: ...
+    def read_into(self, name: str, part: int, numel: int, out: torch.Tensor) -> None: ...
     def discard_vector(self, name: str) -> None: ...
     def put_bytes(self, name: str, data: bytes) -> None: ...
     def get_bytes(self, name: str) -> bytes: ...
@@ -101,6 +103,9 @@ class MemoryStore:
 
     def discard_vector(self, name: str) -> None:
         self.vectors.pop(name, None)
+
+    def read_into(self, name: str, part: int, numel: int, out: torch.Tensor) -> None:
+        out.copy_(torch.from_numpy(self.vectors[name][part]))
 
     def put_bytes(self, name: str, data: bytes) -> None:
         self.blobs[name] = data
@@ -133,8 +138,7 @@ class DirStore:
         os.replace(tmp, self.path / f"{name}.f32")
 
     def vector(self, name: str, part: int, numel: int) -> np.ndarray:
-        """A copy-on-write map: read from disk as used, never written back."""
-        return np.memmap(self.path / f"{name}.f32", dtype="<f4", mode="c",
+        return np.memmap(self.path / f"{name}.f32", dtype="<f4", mode="r",
                          offset=4 * numel * part, shape=(numel,))
 
     def has(self, name: str) -> bool:
@@ -142,6 +146,21 @@ class DirStore:
 
     def discard_vector(self, name: str) -> None:
         (self.path / f"{name}.f32").unlink(missing_ok=True)
+
+    def read_into(self, name: str, part: int, numel: int, out: torch.Tensor) -> None:
+        """Read vector ``part`` into ``out`` (a contiguous float32 CPU tensor) with plain
+        reads: unlike a memory map, nothing of the file stays resident in this process."""
+        view = memoryview(out.numpy()).cast("B")
+        if len(view) != 4 * numel:
+            raise ValueError(f"{len(view) // 4} values to fill, the vector has {numel}")
+        with open(self.path / f"{name}.f32", "rb", buffering=0) as fh:
+            fh.seek(4 * numel * part)
+            done = 0
+            while done < len(view):
+                n = fh.readinto(view[done:])
+                if not n:
+                    raise EvidenceMissing(f"{name}.f32 ends before vector {part}")
+                done += n
 
     def put_bytes(self, name: str, data: bytes) -> None:
         tmp = self.path / f"{name}.tmp"
@@ -244,8 +263,8 @@ class RoundEvidence:
                               if s == 0 or self.store.has(f"state-{s}"))
             rows = self.run.assignment(self.round, self.worker)[start_step:step]
             k = self.run.inner.trail_every
-            # The start is mapped, not copied, and only replay_steps holds it: no second
-            # 12 bytes per parameter next to the trainer's (issue #18, item 3).
+            # The start is read straight into the trainer: no second 12 bytes per parameter
+            # beside its buffers (issue #18, item 3).
             replayed = replay_steps(self.run.task, self.run.dataset,
                                     self._replay_start(start_step), rows, self.run.inner,
                                     device=device, sink=self._replay_sink(step))
@@ -258,12 +277,13 @@ class RoundEvidence:
                                           "its own training (device, threads or kernels "
                                           "changed?)")
 
-    def _replay_start(self, step: int) -> TrainingState | torch.Tensor:
-        """The kept state at ``step`` (the round's base at step 0) as views of the store."""
-        if step == 0:
-            return torch.from_numpy(self.store.vector("base", 0, self.numel))
-        return TrainingState(*(torch.from_numpy(self.store.vector(f"state-{step}", v, self.numel))
-                               for v in range(3)), step)
+    def _replay_start(self, step: int) -> StoredState:
+        """The kept state at ``step`` (the round's base at step 0), to be read from the store."""
+        name = "base" if step == 0 else f"state-{step}"
+
+        def read(vector: int, out: torch.Tensor) -> None:
+            self.store.read_into(name, vector, self.numel, out)
+        return StoredState(step, read)
 
     def _replay_sink(self, want: int) -> Callable[[TrainingState, Leaves], None]:
         def sink(state: TrainingState, leaves: Leaves) -> None:
