@@ -194,6 +194,19 @@ class AuditState:
     membership: Membership | None = None
     #: A threshold-beacon run's group key, from the DKG results a quorum signed (5.4a)
     dkg_group_key: str | None = None
+    #: The proven faults (worker, submission digest) of the round just finalized that a
+    #: non-open run must slash before its next row that is not a slash
+    slashes_due: set[tuple[str, str]] = field(default_factory=set)
+
+
+def check_no_slash_due(state: AuditState) -> None:
+    """Every proven fault of the last finalized round got its ``slash`` (bond and
+    allowlist runs): called at the rows that follow a round's slashes."""
+    if state.slashes_due:
+        worker, _ = min(state.slashes_due)
+        raise Bad(f"{len(state.slashes_due)} proven fault(s) of round "
+                  f"{state.current.index if state.current else '?'} without a slash "
+                  f"(worker {worker[:12]})")
 
 
 def get_spec(state: AuditState) -> RunSpec:
@@ -484,6 +497,7 @@ def process_round_opened(state: AuditState, index: int, body: dict[str, Any]) ->
     """9.3 ledger records: "rounds open in order on the last certified model" (each after
     the one before it was finalized)."""
     r = body["round"]
+    check_no_slash_due(state)
     if state.current is not None and state.current.certified is None:
         raise Bad("a round opened before the previous one finalized")
     if r != (0 if state.current is None else state.current.index + 1):
@@ -707,6 +721,9 @@ def process_round_finalized(state: AuditState, index: int, body: dict[str, Any]
     check_bans_and_penalties(state, rnd, res)
     rnd.certified = res
     state.next_base = certified.model_hash
+    if state.membership is not None and not state.membership.policy.open:
+        state.slashes_due = {(v["worker"], v["submission_digest"]) for v in res.lists()[0]
+                             if v["reason"] in PENALIZED_REASONS}
     return rnd
 
 
@@ -776,6 +793,7 @@ def check_run_finished(state: AuditState, index: int, body: dict[str, Any]) -> N
     """9.3 ledger records: "`run_finished` comes after the last round opened was finalized"."""
     if state.current is None or state.current.certified is None:
         raise Bad("run finished with a round not finalized")
+    check_no_slash_due(state)
 
 
 # ----------------------------------------------------------------------------- pruned blobs
@@ -920,12 +938,15 @@ def process_slash(state: AuditState, index: int, body: dict[str, Any]) -> None:
             or verdict["reason"] != checked["reason"]
             or verdict["submission_digest"] != checked["submission_digest"]):
         raise Bad("slash without a certified proven fault of that worker and submission")
+    if (worker, checked["submission_digest"]) not in state.slashes_due:
+        raise Bad("a second slash for one proven fault")
     expected = (state.membership.slash_amount(worker, rnd.index) if policy.policy == "bond"
                 else (0, 0))
     if (checked["amount"], checked["balance"]) != expected:
         raise Bad(f"slash of {checked['amount']} from a bond of {checked['balance']}; the "
                   f"chain gives {expected[0]} of {expected[1]}")
     state.membership.add_slash(checked)
+    state.slashes_due.discard((worker, checked["submission_digest"]))
 
 
 SIGNED_RULES: dict[str, Callable[[AuditState, int, Any, str], int | None]] = {

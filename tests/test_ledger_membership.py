@@ -163,6 +163,20 @@ def test_bond_run_slashes_a_cheater_refuses_its_replacement_and_audits(tmp_path)
                         *rows[i + 1:]], store.identity)
     bad = verify_events(tampered, store.identity.public_key)
     assert not bad.ok and bad.first_bad_seq == rows[i].seq and "slash" in bad.problem
+    # One that leaves a proven fault unslashed is named at the row after the slashes; one
+    # that slashes a fault twice, at the second slash.
+    def renumbered(edited: list) -> list:
+        first = edited[0].seq
+        return rechain([dataclasses.replace(r, seq=first + k) for k, r in enumerate(edited)],
+                       store.identity)
+
+    dropped = verify_events(renumbered([*rows[:i], *rows[i + 1:]]), store.identity.public_key)
+    assert not dropped.ok and dropped.first_bad_seq == rows[i].seq  # the next row, renumbered
+    assert "without a slash" in dropped.problem and rows[i + 1].kind == "round_opened"
+    twice = verify_events(renumbered([*rows[:i + 1], rows[i], *rows[i + 1:]]),
+                          store.identity.public_key)
+    assert not twice.ok and twice.first_bad_seq == rows[i].seq + 1
+    assert "second slash" in twice.problem
 
 
 def test_audit_names_a_registration_the_ledger_admitted_on_its_own(tmp_path):
