@@ -38,7 +38,8 @@ which 16 are opened, H = 30, k = 1, so S = 30, c = 1):
   update (final state forged to match it, so the binding passes and the last segment's
   step check is what catches it), the learning rate off by 2x either way, and a free
   rider (no states at all: it cannot build a reveal);
-* **cost**: the validator's ``check_reveal`` CPU time (step checks and the bindings) over
+* **cost**: the validator's ``check_reveals`` CPU time (a round's step checks, then its
+  bindings: one recomputing model for the round's step checks) over
   the workers' local training CPU time (``time.process_time``, so other users of a shared
   machine distort it less than wall time, which is printed too), measured in the
   in-process swarm (the nodes' code path) with 16 workers and one free rider, besides
@@ -58,7 +59,7 @@ which 16 are opened, H = 30, k = 1, so S = 30, c = 1):
   ``veritrain worker`` runs it (``prepare_submission`` with its evidence in a ``DirStore``
   and one hashing thread, then the reveal file written from that evidence), the validator
   as ``veritrain validator`` does after its downloads (``filter_round``: every payload
-  decoded to a row file and every reveal checked with ``check_reveal``, the norm and probe
+  decoded to a row file and every reveal checked with ``check_reveals``, the norm and probe
   filters; ``aggregate_locally``, the outer step, the evaluation, the new model written).
   Method: after imports and the run's build the process collects garbage, returns free
   heap pages (``malloc_trim``) and resets the kernel's peak resident size (``5`` written
@@ -75,8 +76,8 @@ figure's worst seed. Bench seed i sets the beacon seed of the bench's checks (th
 and binding chunks; seed 0's is :data:`BENCH_SEED`), the segments and cheats drawn
 (which segments are checked, which step is skipped, the noise), the Monte Carlo's beacon
 seeds, and the beacons under which the validator's round is checked: for seed 0 the
-swarm's own round processing, for seed i >= 1 the same submissions checked by
-``check_reveal`` on the segments ``compute_challenges`` draws under seed i's beacons (its
+swarm's own round processing, for seed i >= 1 the same round's submissions checked by
+``check_reveals`` on the segments ``compute_challenges`` draws under seed i's beacons (its
 CPU time gives that seed's validator cost). One swarm is trained and every honest claim of
 phase 2 is trained once; every seed checks them (the checks, not the training, are
 repeated per seed). The k = 5 and k = 10 regroupings (not the run's k) are checked under
@@ -140,7 +141,13 @@ from veritrain.protocol.training import (
     torch_threads,
     train_segment,
 )
-from veritrain.validators.spot_checks import CheckResult, check_reveal, opened_index
+from veritrain.validators.spot_checks import (
+    CheckResult,
+    RevealToCheck,
+    check_reveal,
+    check_reveals,
+    opened_index,
+)
 from veritrain.workers.evidence import MemoryStore, RoundEvidence, reveal_bytes
 from veritrain.workers.round import prepare_submission
 
@@ -766,8 +773,8 @@ def _honest_call(kwargs: Mapping[str, Any]) -> bool:
 def instrumented(timers: Timers, skip_workers: set[str],
                  observe: Callable[[Any, tuple, dict, MemoryStore], None]) -> Iterator[None]:
     """Time the swarm's worker training and reveals and the validator's checks (the real
-    functions, patched in their callers' namespaces: ``check_reveal`` where the round
-    processing calls it, ``check_step`` and ``check_binding`` where ``check_reveal`` does),
+    functions, patched in their callers' namespaces: ``check_reveals`` where the round
+    processing calls it, ``check_step`` and ``check_binding`` where it does),
     and show each honest prepared submission to ``observe`` outside the timed part, with a
     store of the whole states the worker did not keep (copied as they were committed; the
     copy's time is left out of the training's)."""
@@ -837,9 +844,33 @@ def instrumented(timers: Timers, skip_workers: set[str],
             return out
         return wrapped
 
-    in_round = [0]  # inside the round processing's check_reveal (not the bench's own)
+    in_round = [0]  # inside the round processing's checks (not the bench's own)
+
+    def count_checks(worker: str, out: list[Any]) -> None:
+        timers.results.setdefault(worker, []).append(list(out))
+        if worker not in skip_workers:
+            timers.segments_checked += sum(x.kind == "step" for x in out)
+            timers.bindings_checked += sum(x.kind == "binding" for x in out)
+
+    def check_reveals_timed(original: Any) -> Any:
+        """The round's checks of all its reveals at once (the free rider's missing reveal,
+        failed before any work, is inside the time: a few microseconds)."""
+        def wrapped(run: Any, base: Any, items: Any, *args: Any, **kwargs: Any) -> Any:
+            start, cpu = time.perf_counter(), time.process_time()
+            in_round[0] += 1
+            try:
+                out = original(run, base, items, *args, **kwargs)
+            finally:
+                in_round[0] -= 1
+            timers.validator_checks += time.perf_counter() - start
+            timers.validator_checks_cpu += time.process_time() - cpu
+            for worker, checked in out.items():
+                count_checks(worker, checked)
+            return out
+        return wrapped
 
     def check_reveal_timed(original: Any) -> Any:
+        """A masked round's checks, one reveal at a time."""
         def wrapped(run: Any, base: Any, sub: Any, payload: Any, segments: list[int],
                     *args: Any, **kwargs: Any) -> Any:
             start, cpu = time.perf_counter(), time.process_time()
@@ -848,12 +879,10 @@ def instrumented(timers: Timers, skip_workers: set[str],
                 out = original(run, base, sub, payload, segments, *args, **kwargs)
             finally:
                 in_round[0] -= 1
-            timers.results.setdefault(sub.worker, []).append(list(out))
             if sub.worker not in skip_workers:
                 timers.validator_checks += time.perf_counter() - start
                 timers.validator_checks_cpu += time.process_time() - cpu
-                timers.segments_checked += sum(x.kind == "step" for x in out)
-                timers.bindings_checked += sum(x.kind == "binding" for x in out)
+            count_checks(sub.worker, out)
             return out
         return wrapped
 
@@ -885,7 +914,7 @@ def instrumented(timers: Timers, skip_workers: set[str],
         patch(swarm_mod, "prepare_submission", prepare)
         patch(runtime, "local_train", local_train)
         patch(swarm_mod, "reveal_bytes", reveal)
-        patch(round_mod, "check_reveal", check_reveal_timed)
+        patch(round_mod, "check_reveals", check_reveals_timed)
         patch(masked_mod, "check_reveal", check_reveal_timed)
         patch(spot_mod, "check_step", part_timed("validator_steps_cpu"))
         patch(spot_mod, "check_binding", part_timed("validator_bindings_cpu"))
@@ -1036,7 +1065,7 @@ def validator_round_memory(job: MemoryJob) -> dict[str, Any]:
     downloads are in (validators/node.py ``_validate_round``): the model decoded from its
     file, the outer state left in its file, payloads and reveals in ``BlobFiles`` (read
     one at a time), ``filter_round`` (admit and decode every payload to a row file,
-    ``check_reveal`` on every reveal, the norm and probe filters), ``aggregate_locally``,
+    ``check_reveals`` on the reveals, the norm and probe filters), ``aggregate_locally``,
     ``step_from_file``, ``conclude_round`` and the new model and outer state written.
     Done twice ("cold", then "warm"), VmHWM minus the resident size it started from."""
     from veritrain.protocol.messages import open_signed
@@ -1173,7 +1202,7 @@ def measure_memory(plan: Plan, swarm: Any, timers: Timers,
 @dataclass
 class Replay:
     """A validator's checks of the swarm's rounds under another beacon (bench seeds >= 1):
-    ``check_reveal`` CPU seconds, step checks and bindings."""
+    ``check_reveals`` CPU seconds, step checks and bindings."""
 
     cpu: float = 0.0
     steps: int = 0
@@ -1223,24 +1252,42 @@ def run_benchmark(plan: Plan) -> int:
     b_per_worker_round = max(1, math.ceil((plan.checks - 2 * per_variant)
                                           / (plan.workers * plan.rounds)))
 
-    def replay_round(i: int, claim: Claim, r: int) -> None:
-        """Bench seed ``i`` >= 1: this worker's checks in round ``r`` as the validator makes
-        them under that seed's beacon (the segments ``compute_challenges`` gives it among
-        the round's submitters, then ``check_reveal`` on its reveal): a validator round's
-        cost and same-settings checks under another beacon."""
+    #: Bench seed >= 1, round -> that round's honest reveals (with each claim's run, base
+    #: and k; not the claim, whose evidence holds every state).
+    pending: dict[tuple[int, int], list[tuple[RunContext, torch.Tensor, int,
+                                              RevealToCheck]]] = {}
+
+    def replay_reveal(i: int, claim: Claim, r: int) -> None:
+        """Bench seed ``i`` >= 1: the reveal this worker sends in round ``r`` under that
+        seed's beacon (the segments ``compute_challenges`` gives it among the round's
+        submitters), kept for :func:`replay_round`."""
         beacon = hashlib.sha256(bench_seed(i) + r.to_bytes(8, "big")).digest()
         active = sorted(w.public_key.hex() for w in swarm.workers
                         if swarm.banned_until.get(w.public_key.hex(), -1) < r)
         segments = compute_challenges(beacon, active, policy).get(claim.sub.worker, [])
         reveal = reveal_bytes(claim.evidence, beacon, segments, claim.sub)
+        pending.setdefault((i, r), []).append((claim.run, claim.base, claim.k, RevealToCheck(
+            claim.sub, segments, functools.partial(bytes, reveal),
+            functools.partial(bytes, claim.payload))))
+
+    def replay_round(i: int, r: int) -> None:
+        """Bench seed ``i`` >= 1: round ``r``'s reveals checked as the validator's round
+        checks them (``check_reveals``, all at once): a validator round's cost and
+        same-settings checks under another beacon."""
+        claimed = pending.pop((i, r), [])
+        if not claimed:
+            return
+        beacon = hashlib.sha256(bench_seed(i) + r.to_bytes(8, "big")).digest()
+        run_r, base_r = claimed[0][0], claimed[0][1]
         cpu = time.process_time()
-        out = check_reveal(claim.run, claim.base, claim.sub, claim.payload, segments, reveal,
-                           beacon)
+        out = check_reveals(run_r, base_r, [item for *_, item in claimed], beacon)
         replays[i].cpu += time.process_time() - cpu
-        replays[i].steps += sum(x.kind == "step" for x in out)
-        replays[i].bindings += sum(x.kind == "binding" for x in out)
-        for c in checks_of(out):
-            results[i].add("honest", f"same settings (validator's round), k={claim.k}", c)
+        for _, _, k, item in claimed:
+            checked = out[item.worker]
+            replays[i].steps += sum(x.kind == "step" for x in checked)
+            replays[i].bindings += sum(x.kind == "binding" for x in checked)
+            for c in checks_of(checked):
+                results[i].add("honest", f"same settings (validator's round), k={k}", c)
 
     def observe(prep: Any, args: tuple, kwargs: dict, side: MemoryStore) -> None:
         ctx, identity, r, base = args[:4]
@@ -1295,7 +1342,7 @@ def run_benchmark(plan: Plan) -> int:
                 # replays from the base and finds another trail), so every check fails.
                 res.add("cheat", "free_rider", judge(rider, rng.randrange(s), seed=beacon))
             if i > 0:
-                replay_round(i, claim, r)
+                replay_reveal(i, claim, r)
         _log(f"  observed round {r} worker {w}: {time.perf_counter() - started:.0f}s")
 
     # Phase 1: the swarm (timed), observing each honest submission.
@@ -1304,6 +1351,8 @@ def run_benchmark(plan: Plan) -> int:
     swarm_checks: list[dict[str, Any]] = []
 
     def on_round(r: int, outcome: Any) -> None:
+        for i in range(1, n_seeds):
+            replay_round(i, r)
         bases.append(swarm.base)
         efs.append(list(swarm.error_feedback))
         swarm_checks.extend(v for v in outcome.verdicts if v["worker"] != free_rider)
@@ -1431,7 +1480,7 @@ class SeedFigures:
     weakest: str  # lowest detection at tol, then the smallest distance
     detected: float  # the weakest cheat's detection at tol
     detection: dict[str, float]
-    cost: float  # the validator's check_reveal CPU over the workers' training CPU
+    cost: float  # the validator's check_reveals CPU over the workers' training CPU
 
 
 def seed_figures(res: Results, run_k: int, tol: float, default_tol: float, cost: float
@@ -1615,14 +1664,14 @@ def report(results: Sequence[Results], replays: Sequence[Replay], timers: Timers
           f"{timers.worker_prepare:.1f}s wall)")
     print(f"  workers' reveals           {timers.worker_reveal_cpu:7.2f}s CPU "
           f"{timers.worker_reveal:7.2f}s wall  ({timers.reveals} reveals)")
-    print(f"  validator check_reveal     {timers.validator_checks_cpu:7.1f}s CPU "
+    print(f"  validator check_reveals    {timers.validator_checks_cpu:7.1f}s CPU "
           f"{timers.validator_checks:7.1f}s wall  ({timers.segments_checked} step checks "
           f"{timers.validator_steps_cpu:.1f}s CPU, {timers.validator_steps_cpu / checked:.3f} s "
           f"each; {timers.bindings_checked} bindings {timers.validator_bindings_cpu:.1f}s CPU, "
           f"{timers.validator_bindings_cpu / bound:.3f} s each; whole round processing "
           f"{timers.validator_round:.1f}s wall)")
     for i, rp in enumerate(replays[1:], start=1):
-        print(f"  seed {i}: the same rounds checked under its beacons: check_reveal "
+        print(f"  seed {i}: the same rounds checked under its beacons: check_reveals "
               f"{rp.cpu:.1f}s CPU ({rp.steps} step checks, {rp.bindings} bindings)")
     print(f"  segments recomputed / trained: {timers.segments_checked}/{trained} = "
           f"{100 * timers.segments_checked / trained:.2f}% (expected "

@@ -14,11 +14,18 @@ import time
 import pytest
 import veritrain.validators.spot_checks as spot_checks
 from veritrain.ledger.client import LedgerClient
+from veritrain.protocol import training
 from veritrain.protocol.messages import digest_of
 from veritrain.protocol.presets import run_preset
 from veritrain.protocol.rules import PENALIZED_REASONS, REJECTION_REASONS
 from veritrain.validators.node import MAX_ROUND_FAULTS, ValidatorConfig, ValidatorNode
-from veritrain.validators.spot_checks import CheckResult, check_reveal, failure_reason
+from veritrain.validators.spot_checks import (
+    CheckResult,
+    RevealToCheck,
+    check_reveal,
+    check_reveals,
+    failure_reason,
+)
 from veritrain.workers.evidence import reveal_bytes
 from veritrain.workers.round import prepare_submission
 
@@ -79,6 +86,50 @@ def test_a_withheld_reveal_is_missing_reveal_and_a_bad_one_is_a_failed_check(sub
     assert not any(x.ok for x in garbled)
     assert failure_reason(garbled) == "spot_check_failed"
     assert "parse" in garbled[0].note
+
+
+def test_a_rounds_checks_build_one_model_and_judge_as_one_at_a_time(monkeypatch):
+    """``check_reveals`` (what a validator's round runs) gives each submission the results
+    ``check_reveal`` gives it alone, builds the recomputing model once for all the step
+    checks, reads each reveal once per pass, and keeps no model afterwards."""
+    swarm = tiny_swarm()
+    seed = b"\x05" * 32
+    items, alone, reads = [], {}, {}
+    for n, ident in enumerate(swarm.workers):
+        prep = prepare_submission(swarm.run, ident, 0, swarm.base, swarm.base_hash,
+                                  swarm.error_feedback[n])
+        sub = prep.signed.message
+        segments = [0, len(sub.trail) - 1] if n < 2 else [1]
+        reveal = None if n == 2 else reveal_bytes(prep.evidence, seed, segments, sub)
+        alone[sub.worker] = check_reveal(swarm.run, swarm.base, sub, prep.payload, segments,
+                                         reveal, seed)
+
+        def read(worker=sub.worker, reveal=reveal):
+            reads[worker] = reads.get(worker, 0) + 1
+            return reveal
+        items.append(RevealToCheck(sub, segments, read, lambda p=prep.payload: p))
+    built = []
+
+    class CountedTrainer(training._Trainer):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(training, "_Trainer", CountedTrainer)
+    together = check_reveals(swarm.run, swarm.base, items, seed)
+    assert len(built) == 1  # four step checks of two workers, one model
+    assert not training._TRAINERS  # gone before the bindings, not kept after the round
+    assert reads == {w: 2 for w in reads} and len(reads) == 3
+    for worker, results in alone.items():
+        again = together[worker]
+        assert [(x.kind, x.segment, x.ok, x.note, x.missing) for x in again] == [
+            (x.kind, x.segment, x.ok, x.note, x.missing) for x in results]
+        assert [x.distance for x in again] == [x.distance for x in results]
+    honest = [w for w, r in together.items() if all(x.ok for x in r)]
+    assert len(honest) == 2 and all(len(together[w]) == 3 for w in honest)
+    withheld = next(r for w, r in together.items() if w not in honest)
+    assert [x.kind for x in withheld] == ["step", "binding"]
+    assert failure_reason(withheld) == "missing_reveal"
 
 
 def test_penalized_reasons_are_rejection_reasons():

@@ -27,7 +27,7 @@ import torch
 from veritrain.protocol.challenges import ChallengePolicy
 from veritrain.protocol.commitments import chunk_count, opened_label, sample_chunks
 from veritrain.protocol.presets import run_preset
-from veritrain.validators.spot_checks import check_reveal
+from veritrain.validators.spot_checks import check_reveal, check_reveals
 from veritrain.workers.evidence import reveal_bytes
 
 from veritrain.swarm import Swarm
@@ -295,7 +295,7 @@ def test_the_instrumented_swarm_times_the_real_checks():
         assert result.ok and result.distance == 0.0
     import veritrain.validators.round as round_mod
 
-    assert round_mod.check_reveal is check_reveal  # restored
+    assert round_mod.check_reveals is check_reveals  # restored
 
 
 BENCH = ChallengePolicy(segments=30, per_worker=1.5, full_checks=0, always_last=False)

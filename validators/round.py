@@ -25,6 +25,7 @@ rounds aggregate an in-memory stack of the rows.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -57,7 +58,7 @@ from veritrain.protocol.scoring import compute_scores, split_rewards
 
 from .checks import Candidate, admit, group_by_worker, norm_outliers
 from .probe import loss_regressions, probe_gains, probe_rows
-from .spot_checks import check_reveal, failure_reason, failure_where
+from .spot_checks import RevealToCheck, check_reveals, failure_reason, failure_where
 
 
 @dataclass
@@ -315,13 +316,15 @@ def filter_round(
     challenges = round_challenges(run, candidates, beacon_seed)
     distances: dict[str, float] = {}
     checks: dict[str, list[dict[str, Any]]] = {}
-    for worker in sorted(index):
+    to_check = [RevealToCheck(by_worker[w].signed.message, challenges.get(w, []),
+                              functools.partial(reveals.get, w),
+                              functools.partial(payload_of, by_worker[w]))
+                for w in sorted(index)]
+    checked = check_reveals(run, base_flat, to_check, beacon_seed, device=device)
+    release_free_memory()  # the recomputation's gradients and activations, the codec's work
+    for worker, results in checked.items():
         c = by_worker[worker]
-        results = check_reveal(run, base_flat, c.signed.message, payload_of(c),
-                               challenges.get(worker, []), reveals.get(worker), beacon_seed,
-                               device=device)
         checks[worker] = [x.to_json() for x in results]
-        release_free_memory()  # the recomputation's gradients and activations
         finite = [x.distance for x in results if x.distance is not None]
         if finite:
             distances[worker] = min(max(finite), 1e300)

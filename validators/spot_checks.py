@@ -25,6 +25,7 @@ them gives the payload's own codes inside them. Other codecs reveal both vectors
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,63 +254,119 @@ def revealed_payload(run: RunContext, sub: Submission, segments: list[int],
     return payload if hashlib.sha256(payload).hexdigest() == sub.payload_hash else None
 
 
+@dataclass(frozen=True)
+class RevealToCheck:
+    """One submission of a round to check: its envelope, its challenged segments, and how
+    to read its payload and its reveal. Both are read when a pass needs them (a round's
+    reveals are never all held at once: a validator's memory does not grow with N)."""
+
+    sub: Submission
+    segments: list[int]
+    reveal: Callable[[], bytes | None]
+    payload: Callable[[], bytes | None] = lambda: None  # None in a masked run
+
+    @property
+    def worker(self) -> str:
+        return self.sub.worker
+
+
+@dataclass
+class _Parsed:
+    parts: dict[str, torch.Tensor]
+    payload: bytes | None
+    failure: str | None  # why every check of this submission fails, if one does
+    missing: bool
+
+
+def _parse(run: RunContext, item: RevealToCheck, masked: bool) -> _Parsed:
+    """The reveal's parts, and the payload (a masked run's from the reveal)."""
+    sub = item.sub
+    reveal = item.reveal()
+    if reveal is None:
+        return _Parsed({}, None, "the worker revealed nothing", True)
+    layout = reveal_layout(run, item.segments,
+                           masked_payload=sub.payload_bytes if masked else None)
+    try:
+        parts = parse_reveal(reveal, layout)
+    except PayloadError as exc:
+        return _Parsed({}, None, f"reveal does not parse: {exc}", False)
+    if not masked:
+        return _Parsed(parts, item.payload(), None, False)
+    payload = bytes(parts["payload"].numpy())
+    if hashlib.sha256(payload).hexdigest() != sub.payload_hash:
+        return _Parsed(parts, None, "revealed payload differs from the envelope", False)
+    return _Parsed(parts, payload, None, False)
+
+
+def _step_results(run: RunContext, base_flat: torch.Tensor, item: RevealToCheck,
+                  parsed: _Parsed, seed: bytes, device: str) -> list[CheckResult]:
+    sub, results = item.sub, []
+    for j in sorted(item.segments):
+        if parsed.failure is not None:
+            results.append(CheckResult("step", j, sub.trail[j - 1] if j > 0 else None,
+                                       sub.trail[j], None, None, False, parsed.failure,
+                                       parsed.missing))
+        else:
+            results.append(check_step(run, base_flat, sub, j, parsed.parts, seed,
+                                      device=device))
+    return results
+
+
+def _binding_result(run: RunContext, base_flat: torch.Tensor, item: RevealToCheck,
+                    parsed: _Parsed, seed: bytes) -> CheckResult:
+    sub = item.sub
+    if parsed.failure is not None:
+        return CheckResult("binding", len(sub.trail), None, sub.trail[-1], sub.ef_hash, None,
+                           False, parsed.failure, parsed.missing)
+    assert parsed.payload is not None
+    return check_binding(run, base_flat, sub, parsed.payload, parsed.parts, seed)
+
+
+def check_reveals(run: RunContext, base_flat: torch.Tensor, items: Sequence[RevealToCheck],
+                  seed: bytes, *, device: str = "cpu", masked: bool = False
+                  ) -> dict[str, list[CheckResult]]:
+    """Every check of a round's submissions, by worker: its challenged segments, then its
+    binding. A reveal that is missing or does not parse fails every check with the reason;
+    in a masked run the payload comes in the reveal.
+
+    Two passes over the reveals: every step check first, on one recomputing model kept for
+    the whole pass (built once a round, its memory reused from check to check: building
+    it per worker, or handing its pages back to the OS between workers, made each check
+    fault in a model's and a step's activations afresh, about 40% of a step check at the
+    bench preset); then the model goes (4 B/param) and every binding follows. The peak is
+    one check's, whatever the number of workers. Recomputation runs with the run's
+    ``recompute_threads`` CPU threads."""
+    results: dict[str, list[CheckResult]] = {item.worker: [] for item in items}
+    binding = ChallengePolicy.of_run(run.spec).binding
+    with torch_threads(int(run.spec.verification.get("recompute_threads", 1))):
+        stepped = False
+        for item in items:
+            if item.segments:
+                parsed = _parse(run, item, masked)
+                results[item.worker] = _step_results(run, base_flat, item, parsed, seed, device)
+                stepped = stepped or parsed.failure is None
+                del parsed
+        if stepped:  # the recomputing model's 4 B/param go before the bindings' codec work
+            forget_trainers()
+            release_free_memory()
+        if binding:
+            for item in items:
+                parsed = _parse(run, item, masked)
+                results[item.worker].append(_binding_result(run, base_flat, item, parsed,
+                                                            seed))
+                del parsed
+    return results
+
+
 def check_reveal(run: RunContext, base_flat: torch.Tensor, sub: Submission,
                  payload: bytes | None,
                  segments: list[int], reveal: bytes | None, seed: bytes, *,
                  device: str = "cpu", masked: bool = False) -> list[CheckResult]:
-    """Every check of one submission: its challenged segments, then the binding.
-
-    A reveal that is missing or does not parse fails every check with the reason. In a
-    masked run the payload comes in the reveal (``payload`` is None). Recomputation runs
-    with the run's ``recompute_threads`` CPU threads.
-    """
-    with torch_threads(int(run.spec.verification.get("recompute_threads", 1))):
-        return _check_reveal(run, base_flat, sub, payload, segments, reveal, seed,
-                             device=device, masked=masked)
+    """Every check of one submission (:func:`check_reveals` of a round of one)."""
+    item = RevealToCheck(sub, list(segments), lambda: reveal, lambda: payload)
+    return check_reveals(run, base_flat, [item], seed, device=device, masked=masked)[sub.worker]
 
 
-def _check_reveal(run: RunContext, base_flat: torch.Tensor, sub: Submission,
-                  payload: bytes | None, segments: list[int], reveal: bytes | None,
-                  seed: bytes, *, device: str, masked: bool) -> list[CheckResult]:
-    results: list[CheckResult] = []
-    binding = ChallengePolicy.of_run(run.spec).binding
-    if not segments and not binding:
-        return results
-    layout = reveal_layout(run, segments,
-                           masked_payload=sub.payload_bytes if masked else None)
-    failure = None
-    parts: dict[str, torch.Tensor] = {}
-    missing = reveal is None
-    if missing:
-        failure = "the worker revealed nothing"
-    else:
-        try:
-            parts = parse_reveal(reveal, layout)
-        except PayloadError as exc:
-            failure = f"reveal does not parse: {exc}"
-    if masked and failure is None:
-        payload = bytes(parts["payload"].numpy())
-        if hashlib.sha256(payload).hexdigest() != sub.payload_hash:
-            failure = "revealed payload differs from the envelope"
-    for j in sorted(segments):
-        if failure is not None:
-            results.append(CheckResult("step", j, sub.trail[j - 1] if j > 0 else None,
-                                       sub.trail[j], None, None, False, failure, missing))
-        else:
-            results.append(check_step(run, base_flat, sub, j, parts, seed, device=device))
-    if not binding:
-        return results
-    if segments:  # the recomputing model's 4 B/param go before the binding's codec work
-        forget_trainers()
-        release_free_memory()
-    if failure is not None:
-        results.append(CheckResult("binding", len(sub.trail), None, sub.trail[-1],
-                                   sub.ef_hash, None, False, failure, missing))
-    else:
-        assert payload is not None
-        results.append(check_binding(run, base_flat, sub, payload, parts, seed))
-    return results
-
-
-__all__ = ["LEAF", "CheckResult", "binding_is_local", "check_binding", "check_reveal",
+__all__ = ["LEAF", "CheckResult", "RevealToCheck", "binding_is_local", "check_binding",
+           "check_reveal", "check_reveals",
            "check_step", "failure_where", "opened_index", "reveal_layout", "revealed_payload"]
