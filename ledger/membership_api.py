@@ -13,7 +13,7 @@ from veritrain.protocol.membership import MEMBERSHIP_MESSAGES, SIGNER_FIELD
 from veritrain.protocol.messages import open_signed
 
 from . import membership
-from .api_base import LEDGER, read_message, set_signer
+from .api_base import LEDGER, read_message, replayed, set_signer
 
 routes = web.RouteTableDef()
 
@@ -33,6 +33,10 @@ async def post_membership(request: web.Request) -> web.Response:
         raise RejectedInput(f"a {kind} for another run", "wrong_run")
     if signed.signer != getattr(signed.message, SIGNER_FIELD[cls.KIND]):
         raise RejectedInput(f"a {kind} signed by another key than it names", "bad_signature")
+    if await ledger.read(membership.stored, signed.message.run_id, signed):
+        replayed(request, signed.signer)  # a public row copied: not the key's own budget
+        return web.json_response({"kind": signed.message.KIND, "digest": signed.digest,
+                                  "new": False})
     set_signer(request, signed.signer)
     return web.json_response(await ledger.write(ledger.store.post_membership, signed))
 

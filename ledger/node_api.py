@@ -339,6 +339,10 @@ async def post_beacon_partial(request: web.Request) -> web.Response:
     ledger = request.app[LEDGER]
     signed = await ledger.read(ledger.store.open_partial, request.match_info["run_id"],
                                path_round(request), await read_message(request))
+    resent = await _on_reader(ledger, ledger.store.resent_partial, signed)
+    if resent is not None:  # a public partial copied: no pairing, not the key's budget
+        replayed(request, signed.signer)
+        return web.json_response(resent)
     set_signer(request, signed.signer)
     if not await ledger.verify(ledger.store.partial_verifies, signed):
         raise RejectedInput("the partial signature does not verify against the validator's "
@@ -355,9 +359,18 @@ async def get_beacon_partials(request: web.Request) -> web.Response:
         path_round(request)))
 
 
-def _shard_message(request: web.Request, signed: Signed[Any]) -> None:
+async def _board_resend(request: web.Request, ledger: Ledger, table: str, kind: str,
+                        signed: Signed[Any]) -> bool:
+    """A sharded or masked round's board post: True for an exact copy of a stored post
+    (charged to the sender's address with the key, never to the key's own budget: a third
+    party replaying a validator's or worker's public post does not silence it); otherwise
+    its signer sent it and is charged. The URL is checked first either way."""
     _same_url(request, signed.message, "message")
+    if await _on_reader(ledger, ledger.store.stored_board_post, table, kind, signed):
+        replayed(request, signed.signer)
+        return True
     set_signer(request, signed.signer)
+    return False
 
 
 @routes.post("/v1/runs/{run_id}/rounds/{round}/shards")
@@ -368,8 +381,10 @@ async def post_shard_result(request: web.Request) -> web.Response:
     reader = await request.multipart()
     raw = await part_bytes(request, reader, "publication", MAX_MESSAGE_BYTES)
     signed = open_signed(decode_canonical(raw), ShardPublication)
-    _shard_message(request, signed)
     msg = signed.message
+    if await _board_resend(request, ledger, "shard", "result", signed):
+        return web.json_response({"shard": msg.shard, "result_digest": msg.result_digest,
+                                  "already": True}, status=201)
     spec = await ledger.read(lambda s: ledger.store.get_spec(s, msg.run_id))
     if spec.validator_index(signed.signer) is None or not spec.shards:
         raise RejectedInput("only a validator of a sharded run publishes shard results",
@@ -395,7 +410,8 @@ async def post_shard_result(request: web.Request) -> web.Response:
 async def post_shard_check_share(request: web.Request) -> web.Response:
     ledger = request.app[LEDGER]
     signed = open_signed(await read_message(request), ShardCheckShare)
-    _shard_message(request, signed)
+    if await _board_resend(request, ledger, "shard", "check_share", signed):
+        return web.json_response({"already": True})  # its BLS share is not verified again
     return web.json_response(await ledger.write(ledger.store.post_shard_check_share, signed))
 
 
@@ -403,7 +419,8 @@ async def post_shard_check_share(request: web.Request) -> web.Response:
 async def post_shard_finding(request: web.Request) -> web.Response:
     ledger = request.app[LEDGER]
     signed = open_signed(await read_message(request), ShardFindingReport)
-    _shard_message(request, signed)
+    if await _board_resend(request, ledger, "shard", "finding", signed):
+        return web.json_response({"already": True}, status=201)
     return web.json_response(await ledger.write(ledger.store.post_shard_finding, signed),
                              status=201)
 
@@ -428,7 +445,8 @@ async def post_secagg_masked(request: web.Request) -> web.Response:
     reader = await request.multipart()
     raw = await part_bytes(request, reader, "envelope", MAX_MESSAGE_BYTES)
     signed = open_signed(decode_canonical(raw), SecaggMasked)
-    _shard_message(request, signed)
+    if await _board_resend(request, ledger, "secagg", "masked", signed):
+        return web.json_response({"kind": "masked", "already": True}, status=201)
     msg = signed.message
     spec = await ledger.read(lambda s: ledger.store.get_spec(s, msg.run_id))
     if spec.masked is None:
@@ -459,7 +477,8 @@ async def post_secagg(request: web.Request) -> web.Response:
     if kind not in SECAGG_KINDS:
         raise RejectedInput(f"no board post kind {kind!r}", "not_found")
     signed = open_signed(await read_message(request), SECAGG_KINDS[kind])
-    _shard_message(request, signed)
+    if await _board_resend(request, ledger, "secagg", kind, signed):
+        return web.json_response({"kind": kind, "already": True}, status=201)
     return web.json_response(await ledger.write(ledger.store.post_secagg, kind, signed),
                              status=201)
 

@@ -639,6 +639,16 @@ class LedgerStore:
                 "beacon": decode_canonical(rnd.beacon) if rnd.beacon else None,
                 "partials": dkg_board.partials(s, run_id, r)}
 
+    def resent_partial(self, signed: Signed[Any]) -> dict[str, Any] | None:
+        """The round's threshold-beacon state when ``signed`` is exactly a stored partial
+        (answered with no pairing), else None."""
+        msg = signed.message
+        with self.sessions() as s:
+            stored = dkg_board.stored_partial(s, msg.run_id, msg.round, signed.signer)
+            if stored is None or stored.digest != signed.digest:
+                return None
+            return self.threshold_beacon_state(s, msg.run_id, msg.round)
+
     def post_beacon_partial(self, signed: Signed[Any]) -> dict[str, Any]:
         """A validator's partial signature for a closed round: refused (``bad_signature``,
         nothing stored) unless it verifies against the validator's public key share, so a
@@ -699,6 +709,18 @@ class LedgerStore:
                 self._ledger_event(s, msg.run_id, kind, {"run_id": msg.run_id, **ev})
             self._publish(staged)
             return reply
+
+    def stored_board_post(self, table: str, kind: str, signed: Signed[Any]) -> bool:
+        """Whether ``signed`` is, byte for byte, a stored post of a sharded round's board
+        (``table`` "shard": kind "result", "check_share" or "finding") or a masked round's
+        (``table`` "secagg"): an exact resend, answered from the store with no
+        cryptography and charged to no key's own budget (anyone may copy a public post)."""
+        msg, body = signed.message, signed.encode()
+        row: Any = t.ShardMessage if table == "shard" else t.SecaggMessage
+        with self.sessions() as s:
+            return s.execute(select(row.id).where(
+                row.run_id == msg.run_id, row.round == msg.round, row.kind == kind,
+                row.body == body).limit(1)).first() is not None
 
     def precheck_shard_result(self, signed: Signed[ShardPublication]) -> dict[str, Any] | None:
         """``post_shard_result``'s checks without storing anything, so a result file is

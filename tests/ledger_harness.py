@@ -65,6 +65,27 @@ class Api:
         return await self.post_parts(path, [("envelope", signed.encode()), ("payload", payload)])
 
 
+async def replay_from(api: Any, address: str, path: str, wire: Any, times: int) -> list[int]:
+    """POST an exact copy of a public message ``times`` times from another loopback
+    address (another source on the same machine); the statuses."""
+    statuses = []
+    connector = aiohttp.TCPConnector(local_addr=(address, 0))
+    async with aiohttp.ClientSession(connector=connector) as attacker:
+        for _ in range(times):
+            async with attacker.post(f"{api.url}{path}", data=encode_canonical(wire)) as resp:
+                statuses.append(resp.status)
+    return statuses
+
+
+async def key_rate_limited(api: Any) -> int:
+    """How many writes the ledger answered 429 for a key's own budget (its metrics)."""
+    async with api.session.get(f"{api.url}/metrics") as resp:
+        text = await resp.text()
+    line = next(x for x in text.splitlines()
+                if x.startswith('veritrain_rate_limited_total{scope="key"}'))
+    return int(float(line.split()[-1]))
+
+
 def run_api(tmp_path: Path, scenario: Callable[[Api], Awaitable[Any]], *,
             tick_seconds: float = 0.05, db_url: str | None = None,
             identity: Identity | None = None, **config: Any) -> Any:

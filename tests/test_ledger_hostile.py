@@ -15,9 +15,8 @@ import os
 import time
 from pathlib import Path
 
-import aiohttp
 from fakes import make_fake_run, make_submission
-from ledger_harness import run_api
+from ledger_harness import key_rate_limited, replay_from, run_api
 from ledger_scenarios import beacon_share
 from sqlalchemy import func, select
 from veritrain.ledger import schema as t
@@ -54,11 +53,6 @@ def _registration(run, who: Identity, created_at: int = 1):
     return sign(who, Registration(run_id=run.spec.run_id, round=0,
                                   participant=who.public_key.hex(), role="worker",
                                   created_at=created_at))
-
-
-def _session(address: str) -> aiohttp.ClientSession:
-    """A client bound to another loopback address (another source, same machine)."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(address, 0)))
 
 
 def test_duplicate_run_with_many_validators_is_answered_before_any_bls(tmp_path):
@@ -224,12 +218,9 @@ def test_replayed_public_messages_do_not_spend_the_victims_budget(tmp_path):
         reg = _registration(run, victim).to_wire()
         assert (await api.post_json(f"/v1/runs/{run.spec.run_id}/participants", reg))[0] == 200
         statuses = []
-        async with _session("127.0.0.2") as attacker:
-            for target in (run.spec.run_id, other_run.spec.run_id):
-                for _ in range(30):
-                    async with attacker.post(f"{api.url}/v1/runs/{target}/participants",
-                                             data=encode_canonical(reg)) as resp:
-                        statuses.append(resp.status)
+        for target in (run.spec.run_id, other_run.spec.run_id):
+            statuses += await replay_from(api, "127.0.0.2", f"/v1/runs/{target}/participants",
+                                          reg, 30)
         assert 429 in statuses  # the replayer throttles itself ...
         # ... and the victim's own next writes go through at once.
         sub = make_submission(run, victim, PAYLOAD)
@@ -240,9 +231,7 @@ def test_replayed_public_messages_do_not_spend_the_victims_budget(tmp_path):
         for rid in (run.spec.run_id, other_run.spec.run_id):
             rows = (await api.get(f"/v1/runs/{rid}/rejections?signer={victim.public_key.hex()}"))
             assert rows[1]["rejections"] == []
-        async with api.session.get(f"{api.url}/metrics") as resp:
-            text = await resp.text()
-        assert 'veritrain_rate_limited_total{scope="key"} 0' in text
+        assert await key_rate_limited(api) == 0
 
     run_api(tmp_path, scenario, key_rate=0.001, key_burst=3, ip_rate=1000, ip_burst=1000)
 

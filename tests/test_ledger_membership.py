@@ -8,9 +8,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import sqlite3
+from typing import Any
 
 import pytest
-from ledger_harness import run_api
+from ledger_harness import key_rate_limited, replay_from, run_api
 from ledger_scenarios import (
     HONEST,
     SPOT_FAIL,
@@ -212,6 +213,34 @@ def test_registration_over_http_says_why_and_the_rows_are_served(tmp_path):
     assert posted[0] == 200 and accepted[0] == 200 and accepted[1]["new"]
     assert served[1]["admission"] == {"policy": "allowlist"}
     assert [r["kind"] for r in served[1]["rows"]] == ["admission_ticket"]
+
+
+def test_a_copied_membership_row_does_not_spend_the_organisers_budget(tmp_path):
+    """Membership rows are public: a copy posted from another address is answered as
+    stored and throttles only its sender; the organiser's next ticket goes through."""
+    run = quick_run("copy-adm", admission={"policy": "allowlist"})
+    org = run.organiser
+    w1, w2 = Identity.generate("worker"), Identity.generate("worker")
+
+    def ticket(w: Identity) -> Any:
+        return sign(org, AdmissionTicket("copy-adm", 0, org.public_key.hex(),
+                                         w.public_key.hex(), 5, 1)).to_wire()
+
+    async def scenario(api):
+        assert (await api.create_run(run))[0] == 201  # the organiser's first write
+        first = await api.post_json("/v1/runs/copy-adm/membership", ticket(w1))  # second
+        copies = await replay_from(api, "127.0.0.2", "/v1/runs/copy-adm/membership",
+                                   ticket(w1), 30)
+        own = await api.post_json("/v1/runs/copy-adm/membership", ticket(w2))  # third
+        rows = (await api.get("/v1/runs/copy-adm/membership"))[1]["rows"]
+        return first, copies, own, rows, await key_rate_limited(api)
+
+    first, copies, own, rows, limited = run_api(tmp_path, scenario, key_rate=0.001,
+                                                key_burst=3, ip_rate=1000.0, ip_burst=1000.0)
+    assert first[0] == 200 and first[1]["new"] is True
+    assert copies[0] == 200 and 429 in copies
+    assert own[0] == 200 and own[1]["new"] is True, own
+    assert limited == 0 and len(rows) == 2
 
 
 def test_report_worker_history_and_web_page_show_bonds_and_slashes(tmp_path):

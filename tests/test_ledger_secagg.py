@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from fakes import FakeRun, make_fake_run, make_submission
 from ledger_backends import make_fixture
-from ledger_harness import Api, run_api
+from ledger_harness import Api, key_rate_limited, replay_from, run_api
 from veritrain.ledger import schema as t
 from veritrain.ledger.audit import fetch_events, verify_events
 from veritrain.ledger.client import LedgerClient
@@ -423,6 +423,33 @@ def test_keys_and_deal_refusals_leave_the_board_unchanged(tmp_path, ledger_url):
     assert out["deal"][0] == 201 and not out["deal"][1]["already"]
     assert out["deal_again"][1]["already"]
     assert out["audit"].ok, out["audit"].problem
+
+
+def test_replayed_board_posts_do_not_spend_the_senders_budget(tmp_path, ledger_url):
+    """A worker's key advert is public on the board: a third party copying it from another
+    address is answered from the store and throttled on its own address, never on the
+    worker's key, whose next write goes through."""
+    run = masked_run()
+    ids = [Identity.generate("worker") for _ in range(6)]
+
+    async def scenario(api: Api) -> dict[str, Any]:
+        view = await open_board(api, run, ids)  # each worker: registration, submission
+        (a, b, c), _ = by_bucket(view, ids)
+        wire = sign(a, keys_msg(a, 0)).to_wire()
+        first = await api.post_json(f"{BOARD}/keys", wire)  # a's third write
+        replays = await replay_from(api, "127.0.0.2", f"{BOARD}/keys", wire, 30)
+        # a's own fourth write, within the burst of 4 the replays would have spent.
+        other = make_fake_run("other-board-run")
+        assert (await api.create_run(other))[0] == 201
+        return {"first": first, "replays": replays,
+                "own": await api.register(other, a), "limited": await key_rate_limited(api)}
+
+    out = run_api(tmp_path, scenario, db_url=ledger_url, key_rate=0.001, key_burst=4,
+                  ip_rate=1000.0, ip_burst=1000.0)
+    assert out["first"][0] == 201 and out["first"][1]["already"] is False
+    assert out["replays"][0] == 201 and 429 in out["replays"]  # the copier throttles itself
+    assert out["own"][0] in (200, 201), out["own"]
+    assert out["limited"] == 0
 
 
 def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url):

@@ -16,11 +16,12 @@ import json
 
 from fakes import make_fake_run, make_submission
 from ledger_backends import make_fixture
-from ledger_harness import Api, run_api, verdict
+from ledger_harness import Api, key_rate_limited, replay_from, run_api, verdict
 from ledger_harness import post_result as post_round_result
 from veritrain.ledger.audit import fetch_events, verify_events
 from veritrain.ledger.client import LedgerClient
 from veritrain.ledger.store import LedgerStore
+from veritrain.protocol import bls
 from veritrain.protocol.beacon import (
     beacon_root,
     beacon_seed_of,
@@ -184,3 +185,55 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypat
                (("other_digest", b"b"), ("other_file", b"z"), ("wrong_shard", b"c"),
                 ("late", b"f"), ("raced", b"r"))}
     assert not set(refused.values()) & stored, "a refused result's file was kept"
+
+
+def test_replayed_shard_posts_cost_no_bls_and_spend_no_validators_budget(tmp_path, ledger_url,
+                                                                         monkeypatch):
+    """A validator's check share is public: a third party copying it from another address
+    is answered from the store (no BLS verification) and throttled on its own address,
+    never on the validator's key."""
+    run = make_fake_run(RUN, n_validators=3, quorum=2,
+                        aggregator={"name": "centered_clip", "params": {"tau_rel": 1.0},
+                                    "shards": 3})
+    v0, v1, v2 = run.validators
+    worker = Identity.generate("worker")
+    base = f"/v1/runs/{RUN}/rounds/0/shards"
+    verified = []
+    real_verify = bls.verify
+    monkeypatch.setattr(bls, "verify", lambda *a: verified.append(1) or real_verify(*a))
+
+    async def scenario(api: Api):
+        await api.create_run(run)
+        await api.register(run, worker)
+        await api.submit(make_submission(run, worker, b"p" * 8), b"p" * 8)
+        while (await api.get(f"/v1/runs/{RUN}/rounds/0"))[1]["status"] == "open":
+            await asyncio.sleep(0.05)
+        sealed = sealed_list_digest_of(
+            (await api.get(f"/v1/runs/{RUN}/rounds/0/submissions"))[1]["submissions"])
+        for v in (v0, v1):  # v1's first write
+            share = BeaconShare(run_id=RUN, round=0, validator=v.public_key.hex(),
+                                share=v.sign_bls(beacon_root(RUN, 0)).hex(), sealed=sealed)
+            await api.post_json(f"/v1/runs/{RUN}/rounds/0/beacon", sign(v, share).to_wire())
+        pub0 = _publication(v0, 0, b"a")
+        assert (await api.post_parts(base, [("publication", sign(v0, pub0).encode()),
+                                            ("result", b"a")]))[0] == 201
+        d0 = pub0.result_digest
+        check = sign(v1, _share(v1, [d0, None, None])).to_wire()
+        out = {"check": await api.post_json(base + "/check", check)}  # v1's second write
+        before = len(verified)
+        out["replays"] = await replay_from(api, "127.0.0.2", base + "/check", check, 30)
+        out["bls_for_replays"] = len(verified) - before
+        assert (await api.post_json(base + "/check",
+                                    sign(v2, _share(v2, [d0, None, None])).to_wire()))[0] == 200
+        out["own"] = await api.post_json(base + "/findings",  # v1's third write
+                                         sign(v1, _finding(v1, v0, 0, d0)).to_wire())
+        out["limited"] = await key_rate_limited(api)
+        return out
+
+    out = run_api(tmp_path, scenario, db_url=ledger_url, key_rate=0.001, key_burst=3,
+                  ip_rate=1000.0, ip_burst=1000.0)
+    assert out["check"][0] == 200 and out["check"][1]["check"] is None
+    assert out["replays"][0] == 200 and 429 in out["replays"]
+    assert out["bls_for_replays"] == 0
+    assert out["own"][0] == 201, out["own"]
+    assert out["limited"] == 0

@@ -91,6 +91,16 @@ def test_threshold_beacon_round_over_http(tmp_path):
             seeds = [await nodes[0].beacon_seed(client, spec, 0), await first,
                      await nodes[1].beacon_seed(client, spec, 0)]
             partials = (await api.get(f"/v1/runs/{RUN}/rounds/0/partials"))[1]
+            # A stored partial copied (it is public) is answered from the store: no pairing.
+            paired = []
+            real = api.store.partial_verifies
+            api.store.partial_verifies = lambda signed: paired.append(1) or real(signed)
+            for _ in range(3):
+                status, body = await api.post_json(f"/v1/runs/{RUN}/rounds/0/partials",
+                                                   partials["partials"][0])
+                assert status == 200 and body["beacon"] == partials["beacon"], body
+            api.store.partial_verifies = real
+            assert paired == []
             await reveal_all(api, run, preps, workers)
             for node in nodes[:2]:
                 info = await client.get_json(f"/v1/runs/{RUN}/rounds/0")
