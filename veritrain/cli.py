@@ -570,6 +570,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--masked-buckets", type=int, default=0, metavar="S",
                    help="workers hide their updates in masked buckets of S (validators see "
                    "bucket sums only; half the workers are opened by spot checks each round)")
+    d.add_argument("--admission", default="open", choices=["open", "allowlist", "bond"],
+                   help="who may work: anyone (default); keys the organiser signed a ticket "
+                   "(allowlist); keys with a bond the treasury recorded (bond: a caught "
+                   "cheater loses half of it and with it its place in the run)")
     d.set_defaults(func=cmd_demo)
     return p
 

@@ -14,6 +14,13 @@ With ``--masked-buckets S`` workers hide their updates in masked buckets of S
 (specs/secure-averaging.md B, E.2): validators unmask only bucket sums, and
 the half of the workers the beacon spot-checks each round open their masked
 input, so a cheater is caught the first round it is opened.
+
+With ``--admission bond`` (or ``allowlist``) only admitted keys may work
+(specs/scoring.md, "Admission"): the organiser, as the run's treasury, records a
+bond of :data:`DEMO_BOND` units for each worker (or signs each a ticket) before it
+starts, and a caught cheater's proven fault slashes half its bond, which leaves it
+below the run's minimum: its key is out of the run, and so would be any new key
+it registered without a new bond.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from veritrain.protocol.runtime import RunContext
 from veritrain.swarm import Swarm, SwarmResult
 
 CHEATERS = ("free_rider", "sign_flip")
+#: ``--admission bond``: each worker's bond, the run's minimum and the share a slash takes.
+DEMO_BOND, DEMO_MIN_BOND, DEMO_SLASH_SHARE = 16, 10, 0.5
 LABELS = {"clean": "veritrain, no cheaters",
           "cheaters": "veritrain, with the two cheaters (caught, left out)",
           "undefended": "no defence, the same two cheaters (plain mean, no checks)"}
@@ -127,6 +136,37 @@ def _run_swarm(procs: LocalProcesses, url: str, run_id: str, validators: list[tu
     return asyncio.run(_wait_finished(url, run_id, timeout, run_id))
 
 
+async def _admit_workers(url: str, organiser: Identity, run_id: str,
+                         workers: list[tuple[Path, Identity]], policy: str) -> str:
+    """The organiser admits every worker of the demo: a bond deposit of :data:`DEMO_BOND`
+    units each (as the run's treasury), or a ticket for the whole run each."""
+    from veritrain.admission import admit, deposit
+
+    for _, ident in workers:
+        worker = ident.public_key.hex()
+        if policy == "bond":
+            await deposit(url, organiser, run_id, worker, DEMO_BOND, "demo")
+        else:
+            await admit(url, organiser, run_id, worker, until_round=None, revoke=False)
+    if policy == "bond":
+        return (f"the treasury bonded each of the {len(workers)} workers with {DEMO_BOND} "
+                f"units (the run needs {DEMO_MIN_BOND}; a proven fault takes "
+                f"{DEMO_SLASH_SHARE:.0%})")
+    return f"the organiser signed each of the {len(workers)} workers a ticket for the run"
+
+
+def bonds_line(row: dict[str, Any] | None) -> str:
+    """What a worker's proven faults cost its bond, from the report's ``bond`` field."""
+    bond = (row or {}).get("bond")
+    if bond is None:
+        return ""
+    if not bond["slashes"]:
+        return f"; bond {bond['bond']}, never slashed"
+    cuts = ", ".join(f"{s['amount']} units in round {s['round']}" for s in bond["slashes"])
+    state = "still admitted" if bond["admitted"] else "out of the run"
+    return f"; slashed {cuts}: bond {bond['deposited']} -> {bond['bond']} ({state})"
+
+
 def undefended_run(settings: dict[str, Any], workers: list[Identity], attacks: dict[int, str],
                    rounds: int, *, run_seed: str | None = None,
                    on_round: Callable[[int, float], None] | None = None) -> SwarmResult:
@@ -195,7 +235,8 @@ def summarize(report: dict[str, Any], workers: list[tuple[Path, Identity]],
     """Who was caught and when, whether any honest worker was rejected."""
     by_key = {w["worker"]: w for w in report["workers"]}
     caught: dict[str, Any] = {}
-    honest_rejections = []
+    honest_rejections: list[dict[str, Any]] = []
+    honest_slashes: list[dict[str, Any]] = []
     for i, (_, ident) in enumerate(workers):
         row = by_key.get(ident.public_key.hex())
         rejected = row["rejected"] if row else []
@@ -205,10 +246,15 @@ def summarize(report: dict[str, Any], workers: list[tuple[Path, Identity]],
                 "caught_in_round": rejected[0]["round"] if rejected else None,
                 "reason": rejected[0]["reason"] if rejected else None,
                 "score": row["score"] if row else 0.0,
+                "bond": (row or {}).get("bond"),
             }
         elif rejected:
             honest_rejections.append({"worker": ident.public_key.hex()[:12], **rejected[0]})
-    return {"cheaters": caught, "honest_rejections": honest_rejections}
+        elif row is not None and row.get("bond") and row["bond"]["slashes"]:
+            honest_slashes.append({"worker": ident.public_key.hex()[:12],
+                                   "slashes": row["bond"]["slashes"]})
+    return {"cheaters": caught, "honest_rejections": honest_rejections,
+            "honest_slashes": honest_slashes}
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -250,6 +296,13 @@ def run_demo(args: argparse.Namespace) -> int:
         # early worker never finds itself alone (unmaskable) because the rest registered
         # late, and banned cheaters do not hold the rounds open.
         settings["schedule"]["min_submissions"] = min(args.masked_buckets, n_workers - 2)
+    if args.admission != "open":
+        from veritrain.admission import admission_settings
+
+        settings["admission"] = admission_settings(
+            args.admission, min_bond=DEMO_MIN_BOND if args.admission == "bond" else None,
+            slash_share=DEMO_SLASH_SHARE if args.admission == "bond" else None,
+            unbonding_rounds=None, treasury=None, issuers=[])
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
@@ -282,6 +335,9 @@ def run_demo(args: argparse.Namespace) -> int:
             asyncio.run(publish_run(url, bundle))
             print(f"\nrun {run_id}: {bundle.signed.message.num_params} parameters, "
                   f"{len(swarm)} workers")
+            if args.admission != "open":
+                print("  " + asyncio.run(_admit_workers(url, organiser, run_id, swarm,
+                                                        args.admission)))
             reports[label] = _run_swarm(procs, url, run_id, validators, swarm, run_attacks,
                                         out / label, args.device, timeout=1800,
                                         shard_cheater=shard_cheater)
@@ -314,8 +370,15 @@ def run_demo(args: argparse.Namespace) -> int:
         for name, c in summary["cheaters"].items():
             status = (f"caught in round {c['caught_in_round']} ({c['reason']})"
                       if c["caught_in_round"] is not None else "NOT caught")
-            print(f"  {name:<11} {c['worker']}: {status}, total score {c['score']:.0f}")
-        print(f"  honest workers rejected: {len(summary['honest_rejections'])}")
+            print(f"  {name:<11} {c['worker']}: {status}, total score {c['score']:.0f}"
+                  f"{bonds_line(c)}")
+        print(f"  honest workers rejected: {len(summary['honest_rejections'])}"
+              + (f", slashed: {len(summary['honest_slashes'])}" if args.admission == "bond"
+                 else ""))
+        slashed_ok = args.admission != "bond" or (
+            not summary["honest_slashes"]
+            and all(c["bond"] and c["bond"]["slashes"] and not c["bond"]["admitted"]
+                    for c in summary["cheaters"].values()))
         shard_ok = True
         if args.masked_buckets:
             board = asyncio.run(_masked_rounds(url, "demo-cheaters", args.rounds))
@@ -365,7 +428,7 @@ def run_demo(args: argparse.Namespace) -> int:
              "audit_ok": audit.ok}, indent=1))
         ok = (all(c["caught_in_round"] is not None or c.get("never_opened")
                   for c in summary["cheaters"].values())
-              and not summary["honest_rejections"] and audit.ok and shard_ok
+              and not summary["honest_rejections"] and audit.ok and shard_ok and slashed_ok
               and (gap is None or gap <= 0.05))
         return 0 if ok else 1
     finally:
