@@ -603,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--keep-every", type=int, default=None,
                         help="workers keep every N-th state whole (default: the node's, "
-                             "every 4th)")
+                             "every 8th)")
     parser.add_argument("--ab-runs", type=int, default=3,
                         help="alternating runs of plain and worker steps")
     parser.add_argument("--ab-threads", type=int, default=os.cpu_count() or 1)

@@ -46,9 +46,9 @@ def _with_k(run: RunContext, k: int) -> RunContext:
     return dataclasses.replace(run, inner=inner)
 
 
-def test_default_keeps_every_fourth_step_rounded_to_the_trail(one_step_run) -> None:
-    assert DEFAULT_KEEP_STEPS == 4
-    assert [default_keep_every(_with_k(one_step_run, k)) for k in (1, 2, 3, 5)] == [4, 4, 6, 5]
+def test_default_keeps_every_eighth_step_rounded_to_the_trail(one_step_run) -> None:
+    assert DEFAULT_KEEP_STEPS == 8
+    assert [default_keep_every(_with_k(one_step_run, k)) for k in (1, 2, 3, 5)] == [8, 8, 9, 10]
 
 
 def test_sparse_evidence_reveals_the_same_bytes_as_keeping_every_state(

@@ -504,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "worker":
             n.add_argument("--keep-every", type=int, metavar="N",
                            help="keep every N-th step's whole training state on disk for "
-                           "spot checks (default: every 4th, rounded up to a multiple of the "
+                           "spot checks (default: every 8th, rounded up to a multiple of the "
                            "run's trail_every); a challenged step between kept states is "
                            "recomputed")
             n.add_argument("--state-dir", help="receipts and error feedback "
