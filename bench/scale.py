@@ -473,6 +473,10 @@ def speed_ab(bundle: Any, work: Path, runs: int, threads: int, keep_every: int |
     with CommitPool.for_device("cpu") as pool:  # what a worker node builds
         for i in range(runs):
             for name in ("plain", "worker") if i % 2 == 0 else ("worker", "plain"):
+                # What earlier runs (and the swarm) left for the kernel to write back is
+                # written now, not during the next run's steps: each run pays for its own
+                # writes (a worker's land on disk while its round waits for the validator).
+                os.sync()
                 steps = (plain_steps(run, rows) if name == "plain"
                          else worker_steps(run, identity, base, work, pool, keep_every))
                 out[name] += steps[1:]  # the first step warms up (and builds the model)
