@@ -62,10 +62,15 @@ def _finding(v: Identity, about: Identity, shard: int, digest: str) -> ShardFind
                               replacement_digest="2" * 64, max_abs_deviation=0.5)
 
 
+def _sharded_run():
+    """Three validators, quorum 2, one CenteredClip shard each."""
+    return make_fake_run(RUN, n_validators=3, quorum=2,
+                         aggregator={"name": "centered_clip", "params": {"tau_rel": 1.0},
+                                     "shards": 3})
+
+
 def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypatch):
-    run = make_fake_run(RUN, n_validators=3, quorum=2,
-                        aggregator={"name": "centered_clip", "params": {"tau_rel": 1.0},
-                                    "shards": 3})
+    run = _sharded_run()
     v0, v1, v2 = run.validators
     worker = Identity.generate("worker")
     base = f"/v1/runs/{RUN}/rounds/0/shards"
@@ -192,9 +197,7 @@ def test_replayed_shard_posts_cost_no_bls_and_spend_no_validators_budget(tmp_pat
     """A validator's check share is public: a third party copying it from another address
     is answered from the store (no BLS verification) and throttled on its own address,
     never on the validator's key."""
-    run = make_fake_run(RUN, n_validators=3, quorum=2,
-                        aggregator={"name": "centered_clip", "params": {"tau_rel": 1.0},
-                                    "shards": 3})
+    run = _sharded_run()
     v0, v1, v2 = run.validators
     worker = Identity.generate("worker")
     base = f"/v1/runs/{RUN}/rounds/0/shards"
