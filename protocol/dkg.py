@@ -579,11 +579,25 @@ def combine_verified(result: DkgResult, posts: Mapping[int, Sequence[Signed[Beac
                      faults: list[str] | None = None) -> tuple[bytes, list[int]]:
     """The group signature of round r from the partial posts (opened and bound to their
     members and to ``sealed``, e.g. by ``board.members_posts(..., sealed=sealed)``):
-    each partial is checked against its validator's public share and skipped, its reason
-    in ``faults``, when it does not verify; the first ``quorum`` good ones in index order
-    are combined. Returns (signature, signer indices); :class:`DkgFault` when fewer than
+    the first ``quorum`` validators' partials in index order are combined and the result
+    checked against the group key (one pairing check, whatever the quorum: the group
+    signature is unique, so a combination that verifies is the beacon). Only when it
+    does not is each partial checked against its validator's public share and skipped,
+    its reason in ``faults``, when it does not verify; the first ``quorum`` good ones are
+    combined. Returns (signature, signer indices); :class:`DkgFault` when fewer than
     ``quorum`` verify. Which quorum is used does not change the signature."""
     root = threshold_beacon_root(run_id, round_index, sealed)
+    first = {j: posts[j][0] for j in sorted(posts)
+             if 0 <= j < len(result.public_shares) and posts[j]}
+    if len(first) >= quorum:
+        chosen = dict(list(first.items())[:quorum])
+        try:
+            sig = combine({j: bytes.fromhex(p.message.partial) for j, p in chosen.items()},
+                          quorum)
+        except Exception:  # a partial that is no G2 point: the checks below name it
+            sig = b""
+        if sig and verify_group_signature(result.group_key, root, sig):
+            return sig, sorted(chosen)
     good: dict[int, bytes] = {}
     for j in sorted(posts):
         if len(good) == quorum:

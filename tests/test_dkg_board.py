@@ -140,6 +140,30 @@ def test_a_forged_partial_is_refused_and_does_not_block_the_round(honest, partia
     assert [fresh.post_partial(w, sealed=SEALED) for w in partials[1:]][-1] is not None
 
 
+def test_good_partials_cost_one_pairing_check_and_a_bad_one_is_still_named(honest, partials,
+                                                                          monkeypatch):
+    """A validator combines the first quorum of partials and checks the group signature
+    once; only when that fails does it check partials one by one (and name the bad one).
+    The seed is the same either way."""
+    _, board = honest
+    checked = []
+    real = dkg.partial_verifies
+    monkeypatch.setattr(dkg, "partial_verifies",
+                        lambda *a: checked.append(1) or real(*a))
+    seed = beacon_seed_from_partials(board.result, SPEC, R, SEALED, partials)
+    assert checked == []
+    wrong = dkg.BeaconPartial(run_id=RUN, round=R, validator=VALIDATORS[1].public_key.hex(),
+                              sealed=SEALED, partial=dkg.partial_sign(
+                                  7, dkg.threshold_beacon_root(RUN, R, SEALED)).hex())
+    faults: list[str] = []
+    again = beacon_seed_from_partials(board.result, SPEC, R, SEALED,
+                                      [partials[0], sign(VALIDATORS[1], wrong).to_wire(),
+                                       *partials[2:]], faults)
+    assert again == seed and checked  # fell back to the per-partial checks
+    assert faults == ["validator 1's partial signature does not verify against its public "
+                      "key share"]
+
+
 def test_a_seed_not_from_the_group_signature_is_named(honest, partials):
     _, board = honest
     key = board.result.group_key
