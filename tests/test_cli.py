@@ -226,6 +226,26 @@ def test_invalid_run_create_inputs_are_one_line(tmp_path, extra, expected):
     assert expected in one_line_failure(result, "run create")
 
 
+def test_run_create_takes_the_beacon_kind_into_the_signed_spec(tmp_path):
+    from veritrain.protocol.identity import Identity
+    from veritrain.protocol.organiser import build_run
+
+    from veritrain.cli import _settings_from_args, build_parser
+
+    base = ["run", "create", "--ledger", "http://127.0.0.1:1", "--key", "k", "--run-id",
+            "beacon-run", "--validator", "v.pub.json", "--preset", "tiny"]
+    validators = [Identity.generate("validator").public for _ in range(3)]
+    specs = {}
+    for extra in ([], ["--beacon", "threshold"], ["--beacon", "shares"]):
+        settings = _settings_from_args(build_parser().parse_args(base + extra))
+        specs[tuple(extra)] = build_run(Identity.generate("organiser"), "beacon-run", settings,
+                                        validators).signed.message
+    assert not specs[()].threshold_beacon and not specs[("--beacon", "shares")].threshold_beacon
+    assert specs[("--beacon", "threshold")].threshold_beacon
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(base + ["--beacon", "quorum"])
+
+
 def test_invalid_ledger_serve_on_a_port_in_use(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -112,6 +112,7 @@ def _settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         ("schedule", "min_submissions"): args.min_submissions,
         ("verification", "spot_checks_per_round"): args.spot_checks,
         ("verification", "tolerance"): args.tolerance,
+        ("verification", "beacon"): args.beacon,
     }
     for (block, key), value in overrides.items():
         if value is not None:
@@ -372,6 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--min-submissions", type=int, help="submissions needed to close a round")
     c.add_argument("--spot-checks", type=int, help="workers recomputed per round")
     c.add_argument("--tolerance", type=float, help="spot-check relative distance tolerance")
+    c.add_argument("--beacon", choices=["shares", "threshold"],
+                   help="each round's challenge seed: a hash of a quorum of the validators' "
+                   "BLS shares (shares, the default) or the threshold signature of a key "
+                   "the validators make by a DKG when they start (threshold: the same seed "
+                   "whichever quorum signs; specs/protocol.md 5.4a)")
     c.add_argument("--aggregator", help="robust aggregator name (default centered_clip)")
     c.add_argument("--aggregator-params", help="aggregator parameters as JSON")
     c.add_argument("--shards", type=int,
