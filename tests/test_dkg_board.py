@@ -227,3 +227,16 @@ def test_a_kept_share_is_read_back_only_if_it_is_this_validators(honest, tmp_pat
     path.write_text('{"share": "zz"}')
     with pytest.raises(ShareFileError, match="malformed"):
         load_share(path, SPEC, result, 1)
+
+
+def test_a_failed_dkg_says_what_the_board_showed():
+    from veritrain.validators.node import dkg_board_summary
+
+    result = {"qualified": [0, 1], "group_key": "aa", "validator": "v0"}
+    view = {"phases": [{"kind": "dkg_keys", "closed_at": 1.0},
+                       {"kind": "dkg_result", "closed_at": None}],
+            "posts": {"dkg_keys": [{}, {}, {}],
+                      "dkg_result": [{"body": result},
+                                     {"body": {**result, "validator": "v1"}},
+                                     {"body": {**result, "qualified": [0, 1, 2]}}]}}
+    assert dkg_board_summary(view) == "keys 3 posts, result 3 posts (open); 2 different results"

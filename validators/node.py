@@ -112,6 +112,20 @@ class ValidatorConfig:
     state_dir: Path | None = None
 
 
+def dkg_board_summary(view: dict[str, Any]) -> str:
+    """What the DKG board showed, for the log of a failed DKG: each phase's posts and
+    whether it closed, and how many different results were posted."""
+    posts = view.get("posts") or {}
+    phases = ", ".join(
+        f"{p['kind'].removeprefix('dkg_')} {len(posts.get(p['kind'], []))} posts"
+        f"{'' if p.get('closed_at') is not None else ' (open)'}"
+        for p in view.get("phases", []))
+    results = {json.dumps({k: v for k, v in (w.get("body") or {}).items()
+                           if k not in ("validator", "created_at")}, sort_keys=True)
+               for w in posts.get("dkg_result", []) if isinstance(w, dict)}
+    return f"{phases}; {len(results)} different results"
+
+
 class ValidatorNode:
     def __init__(self, config: ValidatorConfig, identity: Identity) -> None:
         if identity.role != "validator":
@@ -299,7 +313,8 @@ class ValidatorNode:
                 self.dkg_result = dkg.group_result_of(spec.validators, spec.quorum,
                                                       spec.run_id, view["posts"]["dkg_result"])
         except dkg.DkgFault as exc:
-            raise RejectedInput(f"the run's DKG failed: {exc}", "dkg_failed") from exc
+            raise RejectedInput(f"the run's DKG failed: {exc} ({dkg_board_summary(view)})",
+                                "dkg_failed") from exc
         if self.config.state_dir is not None:
             self._keep_or_restore_share(spec, self.dkg_result)
         return self.dkg_result
