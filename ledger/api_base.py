@@ -131,7 +131,7 @@ class Ledger:
 
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
         def run() -> T:
-            with self.store.sessions() as s:
+            with self.store.snapshot() as s:
                 return fn(s, *args)
 
         return await asyncio.get_running_loop().run_in_executor(self.readers, run)

@@ -27,6 +27,7 @@ from .export import export_lines
 from .metrics import CONTENT_TYPE, METRICS, db_gauges, render
 from .openapi import build_document
 from .ratelimit import LIMITS
+from .store import begin_snapshot
 
 routes = web.RouteTableDef()
 CHUNK_ROWS = 500
@@ -70,6 +71,7 @@ async def stream(request: web.Request, make: Callable[[Session], Iterator[bytes]
     stop = threading.Event()
 
     def start() -> Iterator[bytes]:
+        begin_snapshot(session)  # the whole export is one committed state
         return iter(make(session))
 
     def next_chunk(it: Iterator[bytes]) -> bytes:

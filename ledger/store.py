@@ -9,7 +9,8 @@ server runs them on one writer thread, which also serializes the chain.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,21 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
+def begin_snapshot(s: Session) -> None:
+    """Make every later SELECT of the read session ``s`` see one committed state.
+
+    A view built from several queries (a board's posts and the group they fixed, a
+    round and its results) must never mix two states: a reader that saw the group but
+    not the post that fixed it would act on a board that never existed. PostgreSQL's
+    default READ COMMITTED and pysqlite's deferred BEGIN both give each statement its own
+    snapshot; a REPEATABLE READ transaction, or on SQLite an explicit BEGIN (WAL: readers
+    never block the writer), gives the whole session one."""
+    if s.get_bind().dialect.name == "sqlite":
+        s.connection().exec_driver_sql("BEGIN")
+    else:
+        s.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+
+
 @dataclass(frozen=True)
 class Certificate:
     """A quorum of validators' BLS signatures over one certified state."""
@@ -113,6 +129,7 @@ def beacon_envelopes(s: Session, run_id: str, r: int, fixed: dict[str, Any] | No
     return [decode_canonical(rows[k].envelope) for k in fixed["signers"]
             if k in rows and rows[k].envelope is not None]
 
+
 class LedgerStore:
     def __init__(self, url: str, identity: Identity, clock: Callable[[], float] = time.time):
         self.engine = make_engine(url)
@@ -129,6 +146,13 @@ class LedgerStore:
         self.max_validators = 256
         #: Where staged uploads are published on acceptance (the server sets it).
         self.blobs: BlobStore | None = None
+
+    @contextmanager
+    def snapshot(self) -> Iterator[Session]:
+        """A read-only session over one committed state (:func:`begin_snapshot`)."""
+        with self.sessions() as s:
+            begin_snapshot(s)
+            yield s
 
     # ----------------------------------------------------------------- chain
 
