@@ -194,6 +194,8 @@ class AuditState:
     membership: Membership | None = None
     #: A threshold-beacon run's group key, from the DKG results a quorum signed (5.4a)
     dkg_group_key: str | None = None
+    #: The run ended with ``run_failed`` (its DKG fixed no group key)
+    failed: bool = False
     #: The proven faults (worker, submission digest) of the round just finalized that a
     #: non-open run must slash before its next row that is not a slash
     slashes_due: set[tuple[str, str]] = field(default_factory=set)
@@ -303,6 +305,8 @@ def process_submissions(state: AuditState, indices: Iterable[int], digests: Iter
     the certified verdicts must name. A run of consecutive submission rows at once (the
     same rule for each); returns the round."""
     rnd = state.current
+    if state.failed:
+        raise Bad("a submission after the run failed")
     if rnd is None or rnd.closed is not None:
         raise Bad("no open round to record it in")
     rnd.submissions.update(zip(digests, indices, strict=True))
@@ -512,6 +516,8 @@ def process_round_closed(state: AuditState, index: int, body: dict[str, Any]) ->
     """9.3 ledger records: "`round_closed` lists exactly the round's submission rows" (of
     the open round); its sealed list's digest is what the beacon shares name."""
     rnd = get_round(state, body["round"])
+    if state.failed:
+        raise Bad("closes a round after the run failed")
     if rnd is not state.current or rnd.closed is not None:
         raise Bad("closes a round that is not open")
     listed = list(body["submissions"])
@@ -545,8 +551,8 @@ def process_dkg_group_fixed(state: AuditState, index: int, body: dict[str, Any])
     """9.3 ``dkg_group_fixed`` (5.4a): "once, in a threshold-beacon run; `results` are the
     run's validators' signed DkgResults and a quorum of them signed `group_key`"."""
     spec = get_spec(state)
-    if not spec.threshold_beacon or state.dkg_group_key is not None:
-        raise Bad("a DKG group in a quorum-of-shares run, or fixed twice")
+    if not spec.threshold_beacon or state.dkg_group_key is not None or state.failed:
+        raise Bad("a DKG group in a quorum-of-shares run, fixed twice, or after the run failed")
     try:
         agreed = dkg.group_result_of(spec.validators, spec.quorum, spec.run_id,
                                      body["results"])
@@ -796,6 +802,19 @@ def check_run_finished(state: AuditState, index: int, body: dict[str, Any]) -> N
     check_no_slash_due(state)
 
 
+def check_run_failed(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ledger records: "`run_failed` (reason `dkg_failed`) only in a threshold-beacon
+    run whose DKG group was never fixed, before any round was finalized, and once"."""
+    spec = get_spec(state)
+    if body.get("reason") != "dkg_failed" or not spec.threshold_beacon:
+        raise Bad("a run failed for another reason than its DKG, or in a quorum-of-shares run")
+    if state.dkg_group_key is not None or state.failed:
+        raise Bad("run failed after its DKG fixed a group key, or twice")
+    if any(rnd.certified is not None for rnd in state.rounds.values()):
+        raise Bad("run failed after a round was finalized")
+    state.failed = True
+
+
 # ----------------------------------------------------------------------------- pruned blobs
 
 #: Verdict reasons whose reveal file is the evidence of a failed check (never pruned): the
@@ -976,5 +995,6 @@ RECORD_RULES: dict[str, Callable[[AuditState, int, dict[str, Any]], RoundState |
     "validator_fault": check_validator_fault,
     "round_finalized": process_round_finalized,
     "run_finished": check_run_finished,
+    "run_failed": check_run_failed,
     SLASH: process_slash,
 }

@@ -127,7 +127,9 @@ def schedule(spec: RunSpec, started_at: float, rows: list[t.DkgPost], now: float
     """The phases as the stored posts and the clock make them: phase k opens when phase
     k-1 closes (the first at run creation); it closes when every validator it waits for
     has posted (the justification phase waits for the accused dealers that dealt), or at
-    its deadline once ``quorum`` posted (the justification phase: at its deadline)."""
+    its deadline once ``quorum`` posted (the justification phase: at its deadline). A
+    phase still under ``quorum`` posts at its deadline closes ``short``: the DKG failed
+    and no later phase opens, so a DKG ends within 5 x ``phase_seconds`` either way."""
     index = {v["ed25519"]: k for k, v in enumerate(spec.validators)}
     got: dict[str, dict[int, float]] = {k: {} for k in PHASES}
     accused: set[int] = set()
@@ -141,7 +143,8 @@ def schedule(spec: RunSpec, started_at: float, rows: list[t.DkgPost], now: float
     opened: float | None = started_at
     for kind in PHASES:
         if opened is None:
-            out.append({"kind": kind, "opened_at": None, "deadline": None, "closed_at": None})
+            out.append({"kind": kind, "opened_at": None, "deadline": None, "closed_at": None,
+                        "short": False})
             continue
         posted = got[kind]
         if kind == "dkg_justification":
@@ -150,14 +153,30 @@ def schedule(spec: RunSpec, started_at: float, rows: list[t.DkgPost], now: float
             expected, need = everyone, spec.quorum
         deadline = opened + phase_seconds(spec)
         closed: float | None = None
+        short = False
         if expected <= set(posted):
             closed = max([opened, *(posted[j] for j in expected)])
         elif now >= deadline and len(posted) >= need:
             closed = max([deadline, *sorted(posted.values())[need - 1:need]])
+        elif now >= deadline:
+            closed, short = deadline, True
         out.append({"kind": kind, "opened_at": opened, "deadline": deadline,
-                    "closed_at": closed})
-        opened = closed
+                    "closed_at": closed, "short": short})
+        opened = None if short else closed
     return out
+
+
+def failure(phases: list[dict[str, Any]], group: dict[str, Any] | None) -> str | None:
+    """Why the DKG failed (a phase closed under ``quorum`` posts, or the result phase closed
+    with no result a quorum signed), or None while it runs or once the group is fixed."""
+    if group is not None:
+        return None
+    for p in phases:
+        if p.get("short"):
+            return f"the {p['kind']} phase closed with fewer posts than the quorum"
+    if phases[-1]["closed_at"] is not None:
+        return "no DKG result was signed by a quorum of validators"
+    return None
 
 
 def open_phase(phases: list[dict[str, Any]]) -> str | None:
@@ -168,6 +187,14 @@ def open_phase(phases: list[dict[str, Any]]) -> str | None:
 def group_row(s: Session, run_id: str) -> dict[str, Any] | None:
     rows = _rows(s, run_id, 0, (GROUP,))
     return decode_canonical(rows[0].body) if rows else None
+
+
+def failed(s: Session, spec: RunSpec, started_at: float, now: float) -> str | None:
+    """:func:`failure` of the run's DKG as the stored posts and the clock make it."""
+    group = group_row(s, spec.run_id)
+    if group is not None:
+        return None
+    return failure(schedule(spec, started_at, _rows(s, spec.run_id, 0, PHASES), now), None)
 
 
 def group_result(s: Session, run_id: str) -> dkg.DkgResult | None:
@@ -187,7 +214,7 @@ def view(s: Session, spec: RunSpec, started_at: float, now: float) -> dict[str, 
     group = group_row(s, spec.run_id)
     current = open_phase(phases)
     return {"run_id": spec.run_id, "now": now, "phases": phases, "phase": current,
-            "failed": group is None and phases[-1]["closed_at"] is not None,
+            "failed": (why := failure(phases, group)) is not None, "failure": why,
             "group": group,
             "posts": {k: [decode_canonical(r.body) for r in rows if r.kind == k]
                       for k in PHASES}}

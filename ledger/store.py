@@ -374,12 +374,20 @@ class LedgerStore:
             t.Participant.banned_until_round < r)).scalar_one()
 
     def tick(self) -> list[tuple[str, int, str]]:
-        """Close or extend open rounds whose time has come; returns what it did."""
+        """End the runs whose DKG failed; close or extend open rounds whose time has come.
+        Returns what it did."""
         now = self.clock()
         done: list[tuple[str, int, str]] = []
         with self.sessions.begin() as s:
-            for rnd in s.execute(select(t.Round).where(
-                    t.Round.status == RoundStatus.OPEN.value)).scalars().all():
+            for run in s.execute(select(t.Run).where(t.Run.status == "active")).scalars().all():
+                spec = self.get_spec(s, run.run_id)
+                if spec.threshold_beacon and (
+                        why := dkg_board.failed(s, spec, run.created_at, now)) is not None:
+                    self._fail_run(s, run, "dkg_failed", why)
+                    done.append((run.run_id, 0, "failed"))
+            for rnd in s.execute(select(t.Round).join(t.Run).where(
+                    t.Round.status == RoundStatus.OPEN.value,
+                    t.Run.status == "active")).scalars().all():
                 spec = self.get_spec(s, rnd.run_id)
                 action = next_action(self._view(s, rnd), now,
                                      min_submissions=spec.schedule["min_submissions"])
@@ -395,6 +403,13 @@ class LedgerStore:
                 if action is not Action.NONE:
                     done.append((rnd.run_id, rnd.round, action.value))
         return done
+
+    def _fail_run(self, s: Session, run: t.Run, reason: str, detail: str) -> None:
+        """End a run that cannot go on (specs/protocol.md 6): ``run_failed`` in its chain,
+        no more submissions; workers and validators see the status and stop."""
+        run.status = "failed"
+        self._ledger_event(s, run.run_id, "run_failed", {
+            "run_id": run.run_id, "reason": reason, "detail": detail})
 
     def _count_submissions(self, s: Session, rnd: t.Round) -> int:
         return s.execute(select(func.count()).select_from(t.Submission).where(
@@ -419,6 +434,10 @@ class LedgerStore:
     def submission_context(self, s: Session, run_id: str, r: int, worker: str
                            ) -> tuple[RunSpec, t.Round, SubmissionContext]:
         spec = self.get_spec(s, run_id)
+        run = s.get(t.Run, run_id)
+        if run is not None and run.status == "failed":
+            raise WrongState(f"run {run_id} failed (its DKG did not fix a group key): it "
+                             "takes no more submissions")
         current = self._current_round(s, run_id)
         part = self._participant(s, run_id, worker)
         ctx = SubmissionContext(

@@ -195,6 +195,33 @@ def test_invalid_submission_after_its_round_closed():
     assert "d5" * 32 not in state.rounds[0].submissions
 
 
+def test_a_run_failed_by_its_dkg_takes_nothing_after_it():
+    spec = make_spec()
+    threshold = dataclasses.replace(spec, verification={**spec.verification,
+                                                        "beacon": "threshold"})
+    failed = {"reason": "dkg_failed", "detail": "the dkg_keys phase closed short"}
+    raises("a run failed for another reason than its DKG, or in a quorum-of-shares run",
+           rules.check_run_failed, state_with(RoundState(0, GENESIS), spec=spec), 3, failed)
+    raises("a run failed for another reason than its DKG, or in a quorum-of-shares run",
+           rules.check_run_failed, state_with(RoundState(0, GENESIS), spec=threshold), 3,
+           {**failed, "reason": "tired"})
+    fixed = state_with(RoundState(0, GENESIS), spec=threshold)
+    fixed.dkg_group_key = "ab" * 48
+    raises("run failed after its DKG fixed a group key, or twice", rules.check_run_failed,
+           fixed, 3, failed)
+    state = state_with(RoundState(0, GENESIS), spec=threshold)
+    rules.check_run_failed(state, 3, failed)
+    assert state.failed
+    raises("run failed after its DKG fixed a group key, or twice", rules.check_run_failed,
+           state, 4, failed)
+    raises("a submission after the run failed", rules.process_submissions, state, [5],
+           SUBS[:1])
+    raises("closes a round after the run failed", rules.process_round_closed, state, 6,
+           {"round": 0, "submissions": []})
+    raises("a DKG group in a quorum-of-shares run, fixed twice, or after the run failed",
+           rules.process_dkg_group_fixed, state, 7, {"results": []})
+
+
 @pytest.mark.parametrize("listed", [SUBS[:3], [*SUBS, "d5" * 32], [*SUBS[:3], SUBS[0]]])
 def test_invalid_round_closed_with_another_list(listed):
     state = state_with(open_round())

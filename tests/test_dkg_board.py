@@ -233,8 +233,8 @@ def test_a_failed_dkg_says_what_the_board_showed():
     from veritrain.validators.node import dkg_board_summary
 
     result = {"qualified": [0, 1], "group_key": "aa", "validator": "v0"}
-    view = {"phases": [{"kind": "dkg_keys", "closed_at": 1.0},
-                       {"kind": "dkg_result", "closed_at": None}],
+    view = {"phases": [{"kind": "dkg_keys", "opened_at": 0.0, "closed_at": 1.0},
+                       {"kind": "dkg_result", "opened_at": 1.0, "closed_at": None}],
             "posts": {"dkg_keys": [{}, {}, {}],
                       "dkg_result": [{"body": result},
                                      {"body": {**result, "validator": "v1"}},

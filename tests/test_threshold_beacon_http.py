@@ -17,6 +17,7 @@ from veritrain.ledger.audit import fetch_events, verify_events
 from veritrain.ledger.client import LedgerClient
 from veritrain.protocol import dkg
 from veritrain.protocol.beacon import beacon_seed_of, sealed_list_digest_of
+from veritrain.protocol.encoding import decode_canonical
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import sign
 from veritrain.protocol.organiser import build_run
@@ -131,3 +132,55 @@ def test_threshold_beacon_round_over_http(tmp_path):
 def spec_index(wire) -> int:
     keys = [v.public_key.hex() for v in validator_identities(3)]
     return keys.index(wire["body"]["validator"])
+
+
+def test_a_dkg_short_of_a_quorum_ends_the_run_instead_of_stalling_it(tmp_path):
+    """Only one of three validators (quorum 2) comes up: its keys phase closes short at
+    its deadline, the ledger ends the run (``run_failed``, chained and audited), the
+    validator stops with the board it saw, and a worker's submission is refused."""
+    run_id = "dkg-fails"
+    validators = validator_identities(3)
+    settings = synthetic_settings()
+    settings["verification"]["beacon"] = "threshold"
+    settings["schedule"]["round_seconds"] = 1.0  # each DKG phase's deadline
+    bundle = build_run(Identity.generate("organiser"), run_id, settings,
+                       [v.public for v in validators], quorum=2)
+    run = RunContext.build(bundle.signed.message, bundle.dataset)
+    worker = Identity.generate("worker")
+    prep = honest(run, run.decode_model(bundle.genesis), worker)
+
+    async def scenario(api: Api):
+        status, _ = await api.post_parts("/v1/runs", [("spec", bundle.signed.encode()),
+                                                      ("dataset", bundle.dataset),
+                                                      ("genesis", bundle.genesis)])
+        assert status == 201
+        node = ValidatorNode(ValidatorConfig(ledger_url=api.url, run_id=run_id,
+                                             poll_seconds=0.05, state_dir=tmp_path / "v0"),
+                             validators[0])
+        await asyncio.wait_for(node.run(), 30.0)  # returns: the run cannot go on
+        overview = (await api.get(f"/v1/runs/{run_id}"))[1]
+        current = (await api.get(f"/v1/runs/{run_id}/rounds/current"))[1]
+        view = (await api.get(f"/v1/runs/{run_id}/dkg"))[1]
+        refused = await api.submit(sign(worker, prep.signed.message), prep.payload)
+        async with LedgerClient(api.url, retry_for=5.0) as client:
+            events = await fetch_events(client, run_id)
+            ledger_key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
+        return node.faults, overview, current, view, refused, events, ledger_key
+
+    faults, overview, current, view, refused, events, ledger_key = run_api(tmp_path, scenario)
+    assert overview["status"] == "failed" and current["run_status"] == "failed"
+    assert view["failed"] and view["group"] is None
+    assert [p["short"] for p in view["phases"]] == [True, False, False, False, False]
+    assert [p["opened_at"] is None for p in view["phases"]] == [False, True, True, True, True]
+    assert [f["kind"] for f in faults] == ["dkg_failed"]
+    assert faults[0]["detail"].startswith(
+        "the run's DKG failed: the dkg_keys phase closed with fewer posts than the quorum")
+    assert "keys 1 posts (closed short of a quorum), deal 0 posts (not opened)" in faults[0][
+        "detail"]
+    status, body = refused
+    assert status == 409 and body["reason"] == "wrong_state" and "failed" in body["detail"]
+    failed = [decode_canonical(e.body) for e in events if e.kind == "run_failed"]
+    assert len(failed) == 1 and failed[0]["reason"] == "dkg_failed"
+    assert failed[0]["detail"] == "the dkg_keys phase closed with fewer posts than the quorum"
+    audit = verify_events(events, ledger_key)
+    assert audit.ok, audit.problem

@@ -118,7 +118,9 @@ def dkg_board_summary(view: dict[str, Any]) -> str:
     posts = view.get("posts") or {}
     phases = ", ".join(
         f"{p['kind'].removeprefix('dkg_')} {len(posts.get(p['kind'], []))} posts"
-        f"{'' if p.get('closed_at') is not None else ' (open)'}"
+        f"{' (closed short of a quorum)' if p.get('short') else ''}"
+        f"{' (not opened)' if p.get('opened_at') is None else ''}"
+        f"{' (open)' if p.get('opened_at') is not None and p.get('closed_at') is None else ''}"
         for p in view.get("phases", []))
     results = {json.dumps({k: v for k, v in (w.get("body") or {}).items()
                            if k not in ("validator", "created_at")}, sort_keys=True)
@@ -159,7 +161,15 @@ class ValidatorNode:
             run = await asyncio.to_thread(RunContext.build, spec, dataset)
             log.info("validating run %s (%d parameters)", spec.run_id, run.numel)
             if spec.threshold_beacon:
-                await self.run_dkg(client, spec)
+                try:
+                    await self.run_dkg(client, spec)
+                except RejectedInput as exc:
+                    if exc.reason != "dkg_failed":
+                        raise
+                    # The ledger ends such a run (specs/protocol.md 6): nothing to validate.
+                    log.error("%s; run %s cannot go on", exc, spec.run_id)
+                    self.faults.append({"round": None, "kind": "dkg_failed", "detail": str(exc)})
+                    return
             r = 0
             done = 0
             refused: set[int] = set()  # rounds whose board this validator will not certify
@@ -284,10 +294,12 @@ class ValidatorNode:
                 "dkg_result": lambda posts: node.result_post(posts["dkg_justification"]),
             }
             for kind in order:
-                while view["phase"] is not None and order.index(view["phase"]) < order.index(
-                        kind):
+                while not view["failed"] and view["phase"] is not None and order.index(
+                        view["phase"]) < order.index(kind):
                     await asyncio.sleep(self.config.poll_seconds)
                     view = await client.get_json(path)
+                if view["failed"]:
+                    break
                 try:
                     wire = steps[kind](view["posts"])
                 except dkg.DkgFault as exc:
@@ -306,6 +318,9 @@ class ValidatorNode:
                 await asyncio.sleep(self.config.poll_seconds)
                 view = await client.get_json(path)
             self.skipped_posts.extend({"kind": "dkg", "fault": f} for f in node.faults)
+        if view["failed"]:
+            raise RejectedInput(f"the run's DKG failed: {view.get('failure')} "
+                                f"({dkg_board_summary(view)})", "dkg_failed")
         try:
             if self.dkg_node is not None:
                 self.dkg_result = self.dkg_node.adopt(view["posts"]["dkg_result"])
