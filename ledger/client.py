@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
-from veritrain.protocol.certificates import certified_base
+from veritrain.protocol.certificates import certified_base, verify_certificate
 from veritrain.protocol.encoding import encode_canonical
 from veritrain.protocol.errors import OversizedError, PayloadError, RejectedInput
-from veritrain.protocol.messages import RunSpec, open_signed
+from veritrain.protocol.messages import CertifiedState, RunSpec, open_signed
 
 from .blobs import BlobPruned
 
@@ -296,6 +296,28 @@ async def fetch_base_files(client: LedgerClient, spec: RunSpec, info: dict[str, 
     if outer_hash is None:
         return model, None
     return model, await client.get_blob(outer_hash, max_bytes=2 * max_model_bytes)
+
+
+async def last_certified_model(client: LedgerClient, run_id: str, *, max_model_bytes: int
+                               ) -> tuple[RunSpec, bytes, CertifiedState]:
+    """The newest model a quorum of ``run_id``'s validators certified: its certificate
+    checked against that run's signed validator set (never the ledger's word), the file
+    downloaded by the certified hash. RejectedInput when no round was finalized yet."""
+    spec = await fetch_run(client, run_id, wait_for=0.0)
+    overview = await client.get_json(f"/v1/runs/{run_id}")
+    current = overview.get("current_round")
+    if not isinstance(current, int):
+        raise RejectedInput(f"run {run_id} has no rounds", "not_found")
+    for r in (current, current - 1):
+        if r < 0:
+            break
+        info = await client.get_json(f"/v1/runs/{run_id}/rounds/{r}")
+        if info.get("certificate") is None:
+            continue
+        state = verify_certificate(info["certificate"], spec, base_of_round=r + 1)
+        model = await client.get_blob(state.model_hash, max_bytes=max_model_bytes)
+        return spec, bytes(model), state
+    raise RejectedInput(f"run {run_id} has no certified model yet", "wrong_state")
 
 
 async def publish_run(ledger_url: str, bundle: RunBundle) -> dict[str, Any]:

@@ -11,7 +11,14 @@ from .identity import Identity, PublicIdentity
 from .membership import admission_problem_of_spec
 from .messages import RunSpec, Signed, sign
 from .tasks import TASK_PRESETS, load_task
-from .tensors import encode_flat, flatten_params, numel_of, param_shapes, sha256_hex
+from .tensors import (
+    decode_flat,
+    encode_flat,
+    flatten_params,
+    numel_of,
+    param_shapes,
+    sha256_hex,
+)
 
 
 @dataclass
@@ -41,8 +48,12 @@ def build_run(
     *,
     quorum: int | None = None,
     seed: str | None = None,
+    genesis: bytes | None = None,
 ) -> RunBundle:
-    """Pack the dataset, build the genesis model and sign the spec."""
+    """Pack the dataset, build the genesis model and sign the spec. ``genesis``: start
+    from this model file instead of the task's fresh model (a run that continues another
+    run's certified model under a new validator set, specs/protocol.md 5.4a); it must be
+    a canonical, finite model file of the task's layout."""
     if not validators:
         raise ValueError("a run needs at least one validator")
     name, params = task_params(settings["task"])
@@ -50,7 +61,10 @@ def build_run(
     dataset = task.pack_dataset()
     model = task.make_model()
     shapes = param_shapes(model)
-    genesis = encode_flat(flatten_params(model), shapes)
+    if genesis is None:
+        genesis = encode_flat(flatten_params(model), shapes)
+    else:
+        decode_flat(genesis, shapes, max_bytes=len(genesis))  # raises PayloadError if not
     n = len(validators)
     spec = RunSpec(
         run_id=run_id,

@@ -240,8 +240,8 @@ def test_run_create_takes_the_beacon_kind_into_the_signed_spec(tmp_path):
         settings = _settings_from_args(build_parser().parse_args(base + extra))
         specs[tuple(extra)] = build_run(Identity.generate("organiser"), "beacon-run", settings,
                                         validators).signed.message
-    assert not specs[()].threshold_beacon and not specs[("--beacon", "shares")].threshold_beacon
-    assert specs[("--beacon", "threshold")].threshold_beacon
+    assert specs[()].threshold_beacon and specs[("--beacon", "threshold")].threshold_beacon
+    assert not specs[("--beacon", "shares")].threshold_beacon
     with pytest.raises(SystemExit):
         build_parser().parse_args(base + ["--beacon", "quorum"])
 

@@ -80,6 +80,7 @@ def test_tiny_run_end_to_end_with_cheaters(tmp_path: Path):
         write_key_file(tmp_path / f"{name}.key", ident)
         keys[name] = ident
     settings = run_preset("tiny")
+    settings["verification"]["beacon"] = "threshold"  # 5.4a, the CLI's default
     settings["schedule"]["max_rounds"] = ROUNDS
     settings["verification"]["reveal_seconds"] = 5.0  # the free rider never reveals
     bundle = build_run(Identity.generate("organiser"), "e2e", settings,
@@ -174,6 +175,7 @@ def test_sharded_run_end_to_end_catches_a_validator_that_shifts_its_shard(tmp_pa
     validators = key_files(tmp_path, "validator", validator_identities(3))
     key_files(tmp_path, "worker", [Identity.generate("worker") for _ in range(3)])
     settings = run_preset("tiny")
+    settings["verification"]["beacon"] = "threshold"  # 5.4a, the CLI's default
     settings["schedule"]["max_rounds"] = 2
     settings["aggregator"]["shards"] = 3
     bundle = build_run(Identity.generate("organiser"), "e2e-shards", settings,
@@ -219,6 +221,7 @@ def test_masked_run_end_to_end_unmasks_buckets_through_a_dropout(tmp_path: Path)
     validators = key_files(tmp_path, "validator", validator_identities(3))
     workers = key_files(tmp_path, "worker", [Identity.generate("worker") for _ in range(4)])
     settings = run_preset("tiny")
+    settings["verification"]["beacon"] = "threshold"  # 5.4a, the CLI's default
     settings["schedule"]["max_rounds"] = 2
     settings["aggregator"]["params"].pop("bucket_size", None)
     settings["aggregator"]["masked"] = {"bucket_size": 4, "max_dropouts": 1,

@@ -10,14 +10,16 @@ import asyncio
 import itertools
 import stat
 
+import pytest
 from fakes import validator_identities
 from ledger_harness import Api, reveal_all, run_api
 from test_validator_http import honest, submit_all, synthetic_settings
 from veritrain.ledger.audit import fetch_events, verify_events
-from veritrain.ledger.client import LedgerClient
+from veritrain.ledger.client import LedgerClient, last_certified_model
 from veritrain.protocol import dkg
 from veritrain.protocol.beacon import beacon_seed_of, sealed_list_digest_of
 from veritrain.protocol.encoding import decode_canonical
+from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import sign
 from veritrain.protocol.organiser import build_run
@@ -158,11 +160,17 @@ def test_a_dkg_short_of_a_quorum_ends_the_run_instead_of_stalling_it(tmp_path):
                                              poll_seconds=0.05, state_dir=tmp_path / "v0"),
                              validators[0])
         await asyncio.wait_for(node.run(), 30.0)  # returns: the run cannot go on
-        overview = (await api.get(f"/v1/runs/{run_id}"))[1]
+        for _ in range(100):  # the ledger's next tick (0.05 s here) ends the run
+            overview = (await api.get(f"/v1/runs/{run_id}"))[1]
+            if overview["status"] != "active":
+                break
+            await asyncio.sleep(0.05)
         current = (await api.get(f"/v1/runs/{run_id}/rounds/current"))[1]
         view = (await api.get(f"/v1/runs/{run_id}/dkg"))[1]
         refused = await api.submit(sign(worker, prep.signed.message), prep.payload)
         async with LedgerClient(api.url, retry_for=5.0) as client:
+            with pytest.raises(RejectedInput, match="has no certified model yet"):
+                await last_certified_model(client, run_id, max_model_bytes=1 << 30)
             events = await fetch_events(client, run_id)
             ledger_key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
         return node.faults, overview, current, view, refused, events, ledger_key
@@ -184,3 +192,71 @@ def test_a_dkg_short_of_a_quorum_ends_the_run_instead_of_stalling_it(tmp_path):
     assert failed[0]["detail"] == "the dkg_keys phase closed with fewer posts than the quorum"
     audit = verify_events(events, ledger_key)
     assert audit.ok, audit.problem
+
+
+def test_the_run_goes_on_when_a_validator_leaves_after_the_dkg(tmp_path):
+    """Validator 2 takes part in the DKG, then leaves for good. Validators 0 and 1 restart
+    (their shares read back from their state directories) and, a quorum between them,
+    fix the round's beacon from their two partials and finalize it (specs/protocol.md
+    5.4a, validator-set changes)."""
+    run_id = "threshold-leave"
+    organiser = Identity.generate("organiser")
+    validators = validator_identities(3)
+    settings = synthetic_settings()
+    settings["verification"]["beacon"] = "threshold"
+    bundle = build_run(organiser, run_id, settings, [v.public for v in validators], quorum=2)
+    spec = bundle.signed.message
+    run = RunContext.build(spec, bundle.dataset)
+    base = run.decode_model(bundle.genesis)
+    workers = [Identity.generate("worker") for _ in range(2)]
+    preps = {w.public_key.hex(): honest(run, base, w) for w in workers}
+    prepared = {k: (p.signed.message, p.payload) for k, p in preps.items()}
+
+    def node(i: int) -> ValidatorNode:
+        return ValidatorNode(ValidatorConfig(ledger_url="", run_id=run_id, poll_seconds=0.05,
+                                             state_dir=tmp_path / f"v{i}"), validators[i])
+
+    async def scenario(api: Api):
+        await submit_all(api, bundle, workers, prepared)
+        nodes = [node(i) for i in range(3)]
+        for n in nodes:
+            n.config.ledger_url = api.url
+        async with LedgerClient(api.url, retry_for=5.0) as client:
+            groups = await asyncio.gather(*(n.run_dkg(client, spec) for n in nodes))
+        stayers = [node(0), node(1)]
+        for n in stayers:
+            n.config.ledger_url = api.url
+        running = [asyncio.create_task(n.run(max_rounds=1)) for n in stayers]
+        while not (await api.get(f"/v1/runs/{run_id}/rounds/0/challenges"))[1]["fixed"]:
+            await asyncio.sleep(0.05)
+        await reveal_all(api, run, preps, workers)
+        await asyncio.wait_for(asyncio.gather(*running), 120.0)
+        partials = (await api.get(f"/v1/runs/{run_id}/rounds/0/partials"))[1]
+        summary = (await api.get(f"/v1/runs/{run_id}/rounds/0"))[1]
+        # Validator 2 is replaced: a new run, with its own DKG, starts from the model the
+        # old run's validators certified (``run create --from-run``).
+        async with LedgerClient(api.url, retry_for=5.0) as client:
+            old_spec, model, state = await last_certified_model(client, run_id,
+                                                                max_model_bytes=1 << 30)
+        replaced = [validators[0], validators[1], Identity.generate("validator")]
+        successor = build_run(organiser, "threshold-next", settings,
+                              [v.public for v in replaced], quorum=2, genesis=model)
+        status, _ = await api.post_parts("/v1/runs", [("spec", successor.signed.encode()),
+                                                      ("dataset", successor.dataset),
+                                                      ("genesis", successor.genesis)])
+        return groups, stayers, partials, summary, (old_spec, state, successor, status)
+
+    groups, stayers, partials, summary, (old_spec, state, successor, status) = run_api(
+        tmp_path, scenario)
+    assert old_spec == spec and state.round == 1
+    assert state.model_hash == summary["certificate"]["certified"]["model_hash"]
+    assert status == 201
+    assert successor.signed.message.genesis_model_hash == state.model_hash
+    assert state.model_hash != spec.genesis_model_hash
+    assert len({g.group_key for g in groups}) == 1
+    assert all(n.dkg_node is not None and n.dkg_node.share is not None for n in stayers)
+    signers = {w["body"]["validator"] for w in partials["partials"]}
+    assert signers == {v.public_key.hex() for v in validators[:2]}
+    assert partials["beacon"]["signers"] == [0, 1]
+    assert summary["status"] == "finalized", summary
+    assert sorted(summary["certificate"]["signers"]) == [0, 1]

@@ -151,9 +151,12 @@ def cmd_run_create(args: argparse.Namespace) -> int:
         except (KeyError, TypeError, AttributeError):
             raise SystemExit(f"{path} is not a validator's .pub.json (no ed25519 key); "
                              "`veritrain keygen --role validator` writes one") from None
+    genesis = None
+    if args.from_run:
+        genesis = asyncio.run(_certified_genesis(args.ledger, args.from_run))
     try:
         bundle = build_run(organiser, args.run_id, _settings_from_args(args), validators,
-                           quorum=args.quorum)
+                           quorum=args.quorum, genesis=genesis)
     except ValueError as exc:  # RejectedInput is one: the spec is refused before any upload
         raise SystemExit(f"cannot build run {args.run_id!r}: {exc}") from None
     reply = asyncio.run(publish_run(args.ledger, bundle))
@@ -162,6 +165,24 @@ def cmd_run_create(args: argparse.Namespace) -> int:
           f"dataset {spec.dataset_bytes} bytes ({spec.dataset_hash[:12]}), genesis "
           f"{spec.genesis_model_hash[:12]}, {len(spec.validators)} validator(s), quorum {spec.quorum}")
     return 0
+
+
+async def _certified_genesis(ledger_url: str, run_id: str) -> bytes:
+    """The newest certified model of ``run_id`` on this ledger (its certificate checked
+    against that run's validators), to start a new run from: a new validator set and
+    DKG, the training so far kept (specs/protocol.md 5.4a)."""
+    from veritrain.ledger.client import LedgerClient, last_certified_model
+    from veritrain.protocol.errors import RejectedInput
+
+    async with LedgerClient(ledger_url, retry_for=60.0) as client:
+        try:
+            spec, model, state = await last_certified_model(
+                client, run_id, max_model_bytes=1 << 40)
+        except RejectedInput as exc:
+            raise SystemExit(f"cannot start from run {run_id!r}: {exc}") from None
+    print(f"starting from run {run_id}'s model certified for round {state.round} "
+          f"({state.model_hash[:12]}, {len(spec.validators)} validator(s) certified it)")
+    return model
 
 
 def cmd_admit(args: argparse.Namespace) -> int:
@@ -373,11 +394,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--min-submissions", type=int, help="submissions needed to close a round")
     c.add_argument("--spot-checks", type=int, help="workers recomputed per round")
     c.add_argument("--tolerance", type=float, help="spot-check relative distance tolerance")
-    c.add_argument("--beacon", choices=["shares", "threshold"],
-                   help="each round's challenge seed: a hash of a quorum of the validators' "
-                   "BLS shares (shares, the default) or the threshold signature of a key "
-                   "the validators make by a DKG when they start (threshold: the same seed "
-                   "whichever quorum signs; specs/protocol.md 5.4a)")
+    c.add_argument("--from-run", metavar="RUN",
+                   help="start from the newest model RUN's validators certified on this "
+                   "ledger (its certificate checked) instead of a fresh one: how a run "
+                   "changes its validator set (a new run, a new DKG, the training kept)")
+    c.add_argument("--beacon", choices=["shares", "threshold"], default="threshold",
+                   help="each round's challenge seed: the threshold signature of a key the "
+                   "validators make by a DKG when they start (threshold, the default: the "
+                   "same seed whichever quorum signs; specs/protocol.md 5.4a) or a hash of "
+                   "a quorum of the validators' BLS shares (shares: the ledger picks which "
+                   "quorum, 5.4)")
     c.add_argument("--aggregator", help="robust aggregator name (default centered_clip)")
     c.add_argument("--aggregator-params", help="aggregator parameters as JSON")
     c.add_argument("--shards", type=int,
@@ -576,6 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--masked-buckets", type=int, default=0, metavar="S",
                    help="workers hide their updates in masked buckets of S (validators see "
                    "bucket sums only; half the workers are opened by spot checks each round)")
+    d.add_argument("--beacon", choices=["shares", "threshold"], default="threshold",
+                   help="challenge seeds from the validators' DKG key (threshold, the "
+                   "default) or from a quorum of their BLS shares (shares)")
     d.add_argument("--admission", default="open", choices=["open", "allowlist", "bond"],
                    help="who may work: anyone (default); keys the organiser signed a ticket "
                    "(allowlist); keys with a bond the treasury recorded (bond: a caught "

@@ -266,6 +266,7 @@ def run_demo(args: argparse.Namespace) -> int:
     attacks = {n_workers - 2: CHEATERS[0], n_workers - 1: CHEATERS[1]}
     settings = run_preset(args.preset)
     settings["schedule"]["max_rounds"] = args.rounds
+    settings["verification"]["beacon"] = args.beacon
     shard_cheater = None
     if args.sharded:
         if args.validators < 3:

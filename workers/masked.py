@@ -33,7 +33,6 @@ survives up to its t.
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import logging
 import time
@@ -53,7 +52,7 @@ from veritrain.aggregation.secure import (
     reveal_shares,
 )
 from veritrain.ledger.client import LedgerClient, LedgerRefused
-from veritrain.protocol.beacon import sealed_list_digest_of, verify_fixed_beacon
+from veritrain.protocol.beacon import sealed_list_digest_of
 from veritrain.protocol.board import BoardFault, SignedOnce, open_member_post
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
@@ -79,6 +78,8 @@ from veritrain.protocol.secagg_wire import (
     sealed_for,
     view_message,
 )
+
+from .beacon import verified_seed
 
 log = logging.getLogger("veritrain.worker")
 
@@ -347,12 +348,10 @@ class MaskedRound:
             raise RejectedInput("buckets were dealt before the beacon was fixed",
                                 "invalid_board")
         sealed = (await self.client.get_json(f"{base}/submissions"))["submissions"]
-        # The signers' envelopes name the list they saw before the seed existed: the
-        # list served here must be that one, so it was not chosen after the seed.
-        seed = await asyncio.to_thread(functools.partial(
-            verify_fixed_beacon, spec.validators, spec.quorum, spec.run_id, self.r,
-            beacon["beacon"], sealed=sealed_list_digest_of(sealed),
-            envelopes=beacon.get("envelopes")))
+        # The beacon signs the list its signers saw before the seed existed: the list
+        # served here must be that one, so it was not chosen after the seed.
+        seed = await verified_seed(self.client, spec, self.r, beacon,
+                                   sealed_list_digest_of(sealed))
         workers = [open_signed(wire, Submission).message.worker for wire in sealed]
         if self.me not in workers:  # it holds a receipt for its submission
             raise RejectedInput("this worker's sealed submission is missing from the list",

@@ -12,7 +12,6 @@ round's work itself is workers/round.py, sans I/O.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import sys
@@ -24,8 +23,7 @@ from typing import Any
 
 import torch
 from veritrain.ledger.client import LedgerClient, LedgerRefused, fetch_base_files, fetch_run
-from veritrain.protocol import dkg
-from veritrain.protocol.beacon import sealed_list_digest_of, verify_fixed_beacon
+from veritrain.protocol.beacon import sealed_list_digest_of
 from veritrain.protocol.certificates import InvalidCertificate, verify_certificate
 from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.encoding import decode_canonical
@@ -51,6 +49,7 @@ from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import hash_flat
 from veritrain.protocol.training import CommitPool
 
+from .beacon import verified_seed
 from .evidence import EvidenceMissing, RoundEvidence, default_keep_every, file_sha256
 from .masked import SECAGG_ATTACKS, take_part
 from .round import ATTACKS, prepare_submission
@@ -305,23 +304,6 @@ def check_receipts_honoured(run: RunContext, receipts: list[Any], ledger_key: st
     return honoured
 
 
-async def threshold_seed_of(client: LedgerClient, spec: Any, r: int, fixed: Any,
-                            sealed: str) -> bytes:
-    """The seed of round r's fixed threshold beacon (specs/protocol.md 5.4a), for a worker
-    that takes nothing on the ledger's word: the group key is the one a quorum of the
-    run's validators signed in the DkgResults served (``dkg.group_result_of``, each post
-    opened against the run spec's validators), and the beacon must be the group's BLS
-    signature over (run, r, the sealed list this worker was served)."""
-    served = (await client.get_json(f"/v1/runs/{spec.run_id}/dkg"))["posts"]["dkg_result"]
-
-    def check() -> bytes:
-        group = dkg.group_result_of(spec.validators, spec.quorum, spec.run_id, served)
-        return dkg.verify_threshold_beacon(group.group_key, spec.run_id, r, fixed,
-                                           sealed=sealed)
-
-    return await asyncio.to_thread(check)
-
-
 async def answer_checks(client: LedgerClient, run: RunContext, identity: Identity,
                         state: WorkerState, ledger_key: str, *, device: str = "cpu") -> None:
     """Answer every pending round's checks; drop settled rounds.
@@ -352,14 +334,7 @@ async def answer_checks(client: LedgerClient, run: RunContext, identity: Identit
         signed = open_signed(decode_canonical(store.get_bytes("submission")), Submission)
         sealed = (await client.get_json(f"{base}/submissions"))["submissions"]
         try:
-            if spec.threshold_beacon:  # the group's signature, under the key a quorum signed
-                seed = await threshold_seed_of(client, spec, r, beacon["beacon"],
-                                               sealed_list_digest_of(sealed))
-            else:
-                seed = await asyncio.to_thread(functools.partial(
-                    verify_fixed_beacon, spec.validators, spec.quorum, spec.run_id, r,
-                    beacon["beacon"], sealed=sealed_list_digest_of(sealed),
-                    envelopes=beacon.get("envelopes")))
+            seed = await verified_seed(client, spec, r, beacon, sealed_list_digest_of(sealed))
         except RejectedInput as exc:
             log.error("round %d: the ledger's beacon does not verify (%s); not revealing", r,
                       exc)
