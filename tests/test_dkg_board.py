@@ -5,6 +5,7 @@ signature is named."""
 
 from __future__ import annotations
 
+import json
 import stat
 import types
 from typing import Any
@@ -12,8 +13,8 @@ from typing import Any
 import pytest
 from fakes import validator_identities
 from veritrain.ledger.dkg import DkgBoard
-from veritrain.protocol import dkg
-from veritrain.protocol.board import BoardFault
+from veritrain.protocol import bls, dkg
+from veritrain.protocol.board import BoardFault, SignedOnce
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import sign
@@ -21,6 +22,7 @@ from veritrain.validators.dkg import (
     DkgNode,
     ShareFileError,
     beacon_seed_from_partials,
+    dkg_secrets_path,
     load_share,
     save_share,
     share_path,
@@ -240,3 +242,56 @@ def test_a_failed_dkg_says_what_the_board_showed():
                                      {"body": {**result, "validator": "v1"}},
                                      {"body": {**result, "qualified": [0, 1, 2]}}]}}
     assert dkg_board_summary(view) == "keys 3 posts, result 3 posts (open); 2 different results"
+
+
+def test_a_validator_restarted_mid_dkg_resumes_from_its_kept_secrets(tmp_path):
+    """Validator 0 restarts after dealing: from its kept secrets (mode 0600) it posts the
+    same keys and deal again (its signed-once record allows no other), opens its shares
+    and ends the DKG holding its share. Without them it could not deal a second time."""
+    board = DkgBoard(SPEC)
+    onces = [SignedOnce() for _ in VALIDATORS]
+    paths = [dkg_secrets_path(tmp_path / f"v{i}", RUN) for i in range(V)]
+    nodes = [DkgNode(v, SPEC, signed_once=o, secrets_path=p)
+             for v, o, p in zip(VALIDATORS, onces, paths, strict=True)]
+    keys = [n.keys_post() for n in nodes]
+    for wire in keys:
+        board.post(wire)
+    deals = [n.deal_post(board.served("dkg_keys")) for n in nodes]
+    for wire in deals:
+        board.post(wire)
+    assert stat.S_IMODE(paths[0].stat().st_mode) == 0o600
+    with pytest.raises(BoardFault, match="already signed another dkg_deal"):
+        DkgNode(VALIDATORS[0], SPEC, signed_once=onces[0]).deal_post(board.served("dkg_keys"))
+    nodes[0] = DkgNode(VALIDATORS[0], SPEC, signed_once=onces[0], secrets_path=paths[0])
+    assert nodes[0].keys_post() == keys[0]
+    assert nodes[0].deal_post(board.served("dkg_keys")) == deals[0]
+    for node in nodes:
+        board.post(node.complaint_post(board.served("dkg_deal")))
+    assert all(not w["body"]["accused"] for w in board.served("dkg_complaint"))
+    for node in nodes:
+        board.post(node.result_post(board.served("dkg_justification")))
+    group = board.fix_group()
+    for node in nodes:
+        node.adopt(board.served("dkg_result"))
+        node.forget_secrets()
+    assert list(group.qualified) == list(range(V))
+    assert nodes[0].share is not None
+    assert bls.public_key(nodes[0].share).hex() == group.public_shares[0]
+    assert not any(p.exists() for p in paths)
+
+
+def test_dkg_secrets_of_another_run_or_with_a_foreign_deal_are_refused(tmp_path):
+    path = dkg_secrets_path(tmp_path, RUN)
+    node = DkgNode(VALIDATORS[1], SPEC, secrets_path=path)
+    node.deal_post([node.keys_post()])
+    body = json.loads(path.read_text())
+    for change, problem in (({"run_id": "another-run"}, "another run's or validator's"),
+                            ({"index": 2}, "another run's or validator's"),
+                            ({"coeffs": [f"{7:064x}"] * QUORUM}, "not its polynomial's"),
+                            ({"enc_secret": "zz"}, "malformed")):
+        path.write_text(json.dumps({**body, **change}))
+        with pytest.raises(ShareFileError, match=problem):
+            DkgNode(VALIDATORS[1], SPEC, secrets_path=path)
+    path.chmod(0o644)
+    with pytest.raises(ShareFileError, match="accessible by others"):
+        DkgNode(VALIDATORS[1], SPEC, secrets_path=path)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 from veritrain.protocol import bls, dkg
 from veritrain.protocol.board import SignedOnce, members_posts
 from veritrain.protocol.identity import Identity
@@ -31,7 +32,8 @@ class DkgNode:
     """One validator in one run's DKG; afterwards it holds its secret share."""
 
     def __init__(self, identity: Identity, spec: RunSpec, *,
-                 signed_once: SignedOnce | None = None) -> None:
+                 signed_once: SignedOnce | None = None,
+                 secrets_path: Path | None = None) -> None:
         self.identity = identity
         self.spec = spec
         self.members = [v["ed25519"] for v in spec.validators]
@@ -43,14 +45,30 @@ class DkgNode:
         self.n, self.quorum = len(self.members), spec.quorum
         self.once = signed_once or SignedOnce()
         self.faults: list[str] = []
-        self._enc = X25519PrivateKey.generate()
-        self._dealing: dkg.Dealing | None = None
+        #: Where the DKG's secrets (X25519 key, polynomial and deal) are kept until the
+        #: group is fixed, so that a node restarted mid-DKG posts the same keys and deal
+        #: again instead of dropping out (``signed_once`` allows no second deal).
+        self.secrets_path = secrets_path
+        kept = load_dkg_secrets(secrets_path, spec, index) if secrets_path else None
+        self._enc, self._dealing = kept or (X25519PrivateKey.generate(), None)
+        if kept is None:
+            self._keep_secrets()
         self._deals: dict[int, list[Signed[dkg.DkgDeal]]] = {}
         self._opened: dict[int, int] = {}
         self._complaints: dict[int, list[int]] = {}
         self.qualification: dkg.Qualification | None = None
         self.result: dkg.DkgResult | None = None
         self.share: int | None = None
+
+    def _keep_secrets(self) -> None:
+        if self.secrets_path is not None:
+            save_dkg_secrets(self.secrets_path, self.spec, self.index, self._enc,
+                             self._dealing)
+
+    def forget_secrets(self) -> None:
+        """Delete the kept DKG secrets once the DKG is over (the share file remains)."""
+        if self.secrets_path is not None:
+            self.secrets_path.unlink(missing_ok=True)
 
     def _posts(self, wires: Any, cls: type[Any]) -> dict[int, list[Signed[Any]]]:
         field = "dealer" if cls in (dkg.DkgDeal, dkg.DkgJustification) else "validator"
@@ -77,6 +95,7 @@ class DkgNode:
             self._dealing = dkg.deal(run_id=self.spec.run_id, round_index=DKG_ROUND,
                                      dealer=self.index, dealer_key=self.me, quorum=self.quorum,
                                      enc_secret=self._enc, enc_keys=keys)
+            self._keep_secrets()
         signed = sign(self.identity, self._dealing.deal)
         self.once.claim("dkg_deal", self.spec.run_id, DKG_ROUND, signed.digest)
         return signed.to_wire()
@@ -188,12 +207,9 @@ def share_path(state_dir: Path, run_id: str) -> Path:
     return state_dir / f"dkg-share-{run_id}.json"
 
 
-def save_share(path: Path, spec: RunSpec, index: int, share: int) -> None:
-    """Write the share with mode 0600 (created so, never widened), atomically: a restarted
-    validator signs beacons again instead of only verifying them (5.4a)."""
+def _write_secret(path: Path, body: dict[str, Any]) -> None:
+    """Write ``body`` as JSON with mode 0600 (created so, never widened), atomically."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    body = {"run_id": spec.run_id, "index": index, "share": f"{share:064x}",
-            "public_share": bls.public_key(share).hex()}
     tmp = path.with_name(path.name + ".tmp")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -202,18 +218,80 @@ def save_share(path: Path, spec: RunSpec, index: int, share: int) -> None:
     os.replace(tmp, path)
 
 
+def _read_secret(path: Path) -> dict[str, Any]:
+    """A secret JSON file; :class:`ShareFileError` when others can read it or it is not JSON."""
+    mode = path.stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ShareFileError(f"secret file {path} is accessible by others "
+                             f"(mode {stat.S_IMODE(mode):o}); chmod 600 it")
+    try:
+        body = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ShareFileError(f"secret file {path} is malformed: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ShareFileError(f"secret file {path} is malformed")
+    return body
+
+
+def save_share(path: Path, spec: RunSpec, index: int, share: int) -> None:
+    """Write the share (mode 0600, atomically): a restarted validator signs beacons again
+    instead of only verifying them (5.4a)."""
+    _write_secret(path, {"run_id": spec.run_id, "index": index, "share": f"{share:064x}",
+                         "public_share": bls.public_key(share).hex()})
+
+
+def dkg_secrets_path(state_dir: Path, run_id: str) -> Path:
+    """Where a validator keeps its secrets of run ``run_id``'s DKG while it runs."""
+    return state_dir / f"dkg-secrets-{run_id}.json"
+
+
+def save_dkg_secrets(path: Path, spec: RunSpec, index: int, enc: X25519PrivateKey,
+                     dealing: dkg.Dealing | None) -> None:
+    """Keep the DKG's X25519 key and, once dealt, the polynomial and the deal (mode 0600),
+    written before the post that depends on them leaves the node."""
+    raw = enc.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+    _write_secret(path, {
+        "run_id": spec.run_id, "index": index, "enc_secret": raw.hex(),
+        "coeffs": None if dealing is None else [f"{c:064x}" for c in dealing.coeffs],
+        "deal": None if dealing is None else dealing.deal.to_body()})
+
+
+def load_dkg_secrets(path: Path, spec: RunSpec, index: int
+                     ) -> tuple[X25519PrivateKey, dkg.Dealing | None] | None:
+    """The kept DKG secrets, or None when there are none. :class:`ShareFileError` when the
+    file is readable by others, malformed, or another run's or validator's, or its deal
+    is not the polynomial's (a node never posts a deal it cannot answer for)."""
+    if not path.exists():
+        return None
+    body = _read_secret(path)
+    try:
+        if body["run_id"] != spec.run_id or body["index"] != index:
+            raise ShareFileError(f"DKG secrets file {path} is another run's or validator's")
+        enc = X25519PrivateKey.from_private_bytes(bytes.fromhex(body["enc_secret"]))
+        dealing = None
+        if body["coeffs"] is not None:
+            coeffs = [int(c, 16) for c in body["coeffs"]]
+            deal = dkg.DkgDeal(**body["deal"])
+            if list(deal.commitments) != dkg.commit(coeffs) or deal.enc_keys[index] != (
+                    dkg.x25519_public(enc)):
+                raise ShareFileError(f"DKG secrets file {path}: the deal is not its "
+                                     "polynomial's")
+            dealing = dkg.Dealing(coeffs, deal)
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        if isinstance(exc, ShareFileError):
+            raise
+        raise ShareFileError(f"DKG secrets file {path} is malformed: {exc}") from exc
+    return enc, dealing
+
+
 def load_share(path: Path, spec: RunSpec, result: dkg.DkgResult, index: int) -> int | None:
     """The share kept at ``path``, or None when there is none. :class:`ShareFileError` when
     others can read it, or it is not a share of ``spec``'s run whose public share is this
     validator's (``index``) in the agreed ``result``: a stale or foreign share never signs."""
     if not path.exists():
         return None
-    mode = path.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ShareFileError(f"share file {path} is accessible by others "
-                             f"(mode {stat.S_IMODE(mode):o}); chmod 600 it")
+    body = _read_secret(path)
     try:
-        body = json.loads(path.read_text())
         share = int(body["share"], 16)
         ok = (body["run_id"] == spec.run_id and body["index"] == index
               and 0 < share < dkg.R)

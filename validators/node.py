@@ -64,7 +64,14 @@ from veritrain.protocol.secagg import check_dealt, words_file_bytes
 from veritrain.protocol.tensors import ParamShapes, _header, all_finite, sha256_hex, split_flat
 
 from .checks import Candidate
-from .dkg import DkgNode, ShareFileError, load_share, save_share, share_path
+from .dkg import (
+    DkgNode,
+    ShareFileError,
+    dkg_secrets_path,
+    load_share,
+    save_share,
+    share_path,
+)
 from .masked import filter_masked_round, words_of
 from .membership import admitted_workers
 from .round import (
@@ -283,7 +290,7 @@ class ValidatorNode:
         path = f"/v1/runs/{spec.run_id}/dkg"
         view = await client.get_json(path)
         if view["group"] is None and not view["failed"]:
-            node = self.dkg_node = DkgNode(self.identity, spec, signed_once=self.signed_once)
+            node = self.dkg_node = self._dkg_node(spec)
             order = [p["kind"] for p in view["phases"]]
             steps = {
                 "dkg_keys": lambda posts: node.keys_post(),
@@ -332,7 +339,23 @@ class ValidatorNode:
                                 "dkg_failed") from exc
         if self.config.state_dir is not None:
             self._keep_or_restore_share(spec, self.dkg_result)
+        if self.dkg_node is not None:
+            self.dkg_node.forget_secrets()  # the DKG is over; the share file is what stays
         return self.dkg_result
+
+    def _dkg_node(self, spec: RunSpec) -> DkgNode:
+        """This node's side of the DKG, resumed from the secrets kept in ``state_dir`` after
+        a restart mid-DKG; a secrets file that does not check out is reported and left
+        alone (the node then cannot deal again and sits the DKG out)."""
+        if self.config.state_dir is None:
+            return DkgNode(self.identity, spec, signed_once=self.signed_once)
+        path = dkg_secrets_path(self.config.state_dir, spec.run_id)
+        try:
+            return DkgNode(self.identity, spec, signed_once=self.signed_once, secrets_path=path)
+        except ShareFileError as exc:
+            log.warning("%s", exc)
+            self.faults.append({"round": None, "kind": "dkg_secrets", "detail": str(exc)})
+            return DkgNode(self.identity, spec, signed_once=self.signed_once)
 
     def _keep_or_restore_share(self, spec: RunSpec, result: dkg.DkgResult) -> None:
         """Write a fresh share to ``state_dir``; after a restart, read it back (a share
