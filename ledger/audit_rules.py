@@ -55,6 +55,7 @@ from veritrain.protocol.messages import (
     digest_of,
 )
 from veritrain.protocol.rules import PENALIZED_REASONS
+from veritrain.protocol.schedule import void_reason
 from veritrain.protocol.secagg import round_buckets
 
 from .chain import ChainRow
@@ -177,6 +178,8 @@ class RoundState:
     bans: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     penalties: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     certified: RecordedResult | None = None
+    closed_at: float | None = None  # the ledger's close time (round_closed)
+    voided: bool = False  # given up without a certificate (round_voided)
 
 
 @dataclass
@@ -386,6 +389,8 @@ def process_round_result(state: AuditState, index: int, result: RoundResult | Re
     without it."""
     get_validator_index(state, signer, result.validator)
     rnd = get_round(state, result.round)
+    if rnd.voided:
+        raise Bad("result for a voided round")
     cert = CertifiedState.from_body(result.certified)
     if result.base_model_hash != rnd.base or cert.round != result.round + 1:
         raise Bad("result for another base model or round")
@@ -502,7 +507,8 @@ def process_round_opened(state: AuditState, index: int, body: dict[str, Any]) ->
     the one before it was finalized)."""
     r = body["round"]
     check_no_slash_due(state)
-    if state.current is not None and state.current.certified is None:
+    if state.current is not None and state.current.certified is None and (
+            not state.current.voided):
         raise Bad("a round opened before the previous one finalized")
     if r != (0 if state.current is None else state.current.index + 1):
         raise Bad(f"round {r} opened out of order")
@@ -530,7 +536,32 @@ def process_round_closed(state: AuditState, index: int, body: dict[str, Any]) ->
         raise Bad("sealed list differs from the submissions recorded in the round")
     rnd.closed = listed
     rnd.closed_row = index
+    rnd.closed_at = body.get("closed_at")
     rnd.sealed = sealed_list_digest(listed)
+
+
+def process_round_voided(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ``round_voided``: "the open round, closed, without a certificate; `results` are
+    exactly its recorded results that count (validator, certified digest), and with them
+    and `voided_at` no quorum can agree or `certify_seconds` passed since the close
+    (``schedule.void_reason``)". The next round opens on the same base."""
+    spec = get_spec(state)
+    rnd = get_round(state, body["round"])
+    if rnd is not state.current or rnd.closed is None or rnd.certified is not None or (
+            rnd.voided):
+        raise Bad("voids a round that is not closed and unfinalized")
+    counted = {spec.validator_index(res.message.validator): digest_of(res.message.certified)
+               for res in rnd.results}
+    counted = {k: d for k, d in counted.items() if k is not None and k not in rnd.shard_faults}
+    listed = {item["validator"]: item["certified_digest"] for item in body["results"]}
+    if listed != counted or len(listed) != len(body["results"]):
+        raise Bad("voided round's results are not its recorded ones")
+    if rnd.closed_at is None or void_reason(
+            closed_at=rnd.closed_at, now=body["voided_at"],
+            certify_seconds=spec.certify_seconds, results=counted,
+            eligible=len(spec.validators) - len(rnd.shard_faults), quorum=spec.quorum) is None:
+        raise Bad("round voided while a quorum could still agree before its certify_seconds")
+    rnd.voided = True
 
 
 def process_beacon_fixed(state: AuditState, index: int, body: dict[str, Any]) -> None:
@@ -704,6 +735,8 @@ def process_round_finalized(state: AuditState, index: int, body: dict[str, Any]
     base. Returns the round, its ``certified`` result set."""
     spec = get_spec(state)
     rnd = get_round(state, body["round"])
+    if rnd.voided:
+        raise Bad("finalizes a voided round")
     checked = CERTIFICATE(body["certificate"], "certificate")
     certified = CertifiedState.from_body(checked["certified"])
     signers = checked["signers"]
@@ -796,8 +829,9 @@ def check_bans_and_penalties(state: AuditState, rnd: RoundState, res: RecordedRe
 
 
 def check_run_finished(state: AuditState, index: int, body: dict[str, Any]) -> None:
-    """9.3 ledger records: "`run_finished` comes after the last round opened was finalized"."""
-    if state.current is None or state.current.certified is None:
+    """9.3 ledger records: "`run_finished` comes after the last round opened was finalized
+    (or voided)"."""
+    if state.current is None or (state.current.certified is None and not state.current.voided):
         raise Bad("run finished with a round not finalized")
     check_no_slash_due(state)
 
@@ -982,6 +1016,7 @@ SIGNED_RULES: dict[str, Callable[[AuditState, int, Any, str], int | None]] = {
 RECORD_RULES: dict[str, Callable[[AuditState, int, dict[str, Any]], RoundState | None]] = {
     "round_opened": process_round_opened,
     "round_closed": process_round_closed,
+    "round_voided": process_round_voided,
     "beacon_fixed": process_beacon_fixed,
     "dkg_group_fixed": process_dkg_group_fixed,
     "threshold_beacon_fixed": process_threshold_beacon_fixed,

@@ -27,8 +27,8 @@ from veritrain.protocol.identity import Identity
 from . import schema as t
 from .chain import checkpoint_signing_root
 
-BOUNDARY_KINDS = frozenset({"run_spec", "round_closed", "round_finalized", "run_finished",
-                            "run_failed"})
+BOUNDARY_KINDS = frozenset({"run_spec", "round_closed", "round_finalized", "round_voided",
+                            "run_finished", "run_failed"})
 HEADS = "veritrain_chain_heads"
 BOUNDARIES = "veritrain_chain_boundaries"
 

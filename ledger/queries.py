@@ -27,11 +27,12 @@ def round_info(s: Session, run_id: str, r: int | None, now: float) -> dict[str, 
         raise NotFound(f"run {run_id!r} has no round {r}")
     run = s.get(t.Run, run_id)
     assert run is not None
-    base_cert = None
-    if rnd.round > 0:
-        prev = s.get(t.Round, (run_id, rnd.round - 1))
-        if prev is not None and prev.certificate is not None:
-            base_cert = decode_canonical(prev.certificate)
+    # The newest certificate before this round vouches for its base: the previous round's,
+    # or an earlier one when the rounds between were voided (specs/protocol.md 6).
+    prev = s.execute(select(t.Round.certificate).where(
+        t.Round.run_id == run_id, t.Round.round < rnd.round, t.Round.certificate.is_not(None))
+        .order_by(t.Round.round.desc()).limit(1)).scalar_one_or_none()
+    base_cert = decode_canonical(prev) if prev is not None else None
     count = s.execute(select(func.count()).select_from(t.Submission).where(
         t.Submission.run_id == run_id, t.Submission.round == rnd.round)).scalar_one()
     return {

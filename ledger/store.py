@@ -43,7 +43,7 @@ from veritrain.protocol.messages import (
     sign,
 )
 from veritrain.protocol.rules import SubmissionContext, check_submission
-from veritrain.protocol.schedule import Action, RoundStatus, RoundView, next_action
+from veritrain.protocol.schedule import Action, RoundStatus, RoundView, next_action, void_reason
 
 from . import dkg as dkg_board
 from . import membership, migrate, secagg, shards
@@ -402,7 +402,53 @@ class LedgerStore:
                         "min_submissions": spec.schedule["min_submissions"]})
                 if action is not Action.NONE:
                     done.append((rnd.run_id, rnd.round, action.value))
+            for rnd in s.execute(select(t.Round).join(t.Run).where(
+                    t.Round.status == RoundStatus.CLOSED.value,
+                    t.Run.status == "active")).scalars().all():
+                spec = self.get_spec(s, rnd.run_id)
+                why, results = self._void_reason(s, spec, rnd, now)
+                if why is not None:
+                    self._void(s, spec, rnd, why, results, now)
+                    done.append((rnd.run_id, rnd.round, "voided"))
         return done
+
+    def _void_reason(self, s: Session, spec: RunSpec, rnd: t.Round, now: float
+                     ) -> tuple[str | None, dict[int, str]]:
+        """``void_reason`` of a closed round from its recorded results (a validator whose
+        shard a quorum proved faulty does not count, as in ``post_result``)."""
+        faulted = shards.faulted_validators(s, spec, rnd.round) if spec.shards else set()
+        results: dict[int, str] = {}
+        for validator, digest in s.execute(select(
+                t.RoundResultRow.validator, t.RoundResultRow.certified_digest).where(
+                t.RoundResultRow.run_id == rnd.run_id, t.RoundResultRow.round == rnd.round)):
+            idx = spec.validator_index(validator)
+            if idx is not None and idx not in faulted:
+                results[idx] = digest
+        assert rnd.closed_at is not None
+        why = void_reason(closed_at=rnd.closed_at, now=now,
+                          certify_seconds=spec.certify_seconds, results=results,
+                          eligible=len(spec.validators) - len(faulted), quorum=spec.quorum)
+        return why, results
+
+    def _void(self, s: Session, spec: RunSpec, rnd: t.Round, why: str,
+              results: dict[int, str], now: float) -> None:
+        """Give up a round no certificate can finalize (specs/protocol.md 6): chained with
+        each counted validator's certified digest, so an auditor sees who disagreed; its
+        workers get no verdicts or rewards; the next round opens on the same base."""
+        rnd.status = RoundStatus.VOIDED.value
+        self._ledger_event(s, rnd.run_id, "round_voided", {
+            "run_id": rnd.run_id, "round": rnd.round, "reason": why, "voided_at": now,
+            "results": [{"validator": k, "certified_digest": d}
+                        for k, d in sorted(results.items())]})
+        if rnd.round + 1 >= spec.schedule["max_rounds"]:
+            run = s.get(t.Run, rnd.run_id)
+            assert run is not None
+            run.status = "finished"
+            self._ledger_event(s, rnd.run_id, "run_finished", {
+                "run_id": rnd.run_id, "rounds": rnd.round + 1})
+        else:
+            self._open_round(s, spec, rnd.round + 1, rnd.base_model_hash,
+                             rnd.outer_state_hash, now)
 
     def _fail_run(self, s: Session, run: t.Run, reason: str, detail: str) -> None:
         """End a run that cannot go on (specs/protocol.md 6): ``run_failed`` in its chain,
@@ -529,6 +575,9 @@ class LedgerStore:
         rnd = self._round(s, spec.run_id, r)
         if rnd.status == RoundStatus.OPEN.value:
             raise WrongState(f"a {what} is taken only after round {r} closes")
+        if rnd.status == RoundStatus.VOIDED.value:
+            raise WrongState(f"round {r} was voided (no certificate could come): no {what} "
+                             "is taken for it")
         return idx, rnd
 
     def _beacon_state(self, s: Session, rnd: t.Round) -> dict[str, Any]:

@@ -56,12 +56,22 @@ def certified_base(spec: RunSpec, info: dict[str, Any]) -> tuple[str, str | None
     ``outer_state_hash``, ``base_certificate``). Round 0 starts from the signed spec's
     genesis model with zero outer momentum (no outer-state file).
     """
-    r = info["round"]
-    if r == 0:
-        if info["base_model_hash"] != spec.genesis_model_hash:
-            raise RejectedInput("round 0 does not start from the genesis model", "invalid_base")
+    r, cert = info["round"], info.get("base_certificate")
+    if r == 0 or cert is None:  # round 0, or every round before it was voided
+        if info["base_model_hash"] != spec.genesis_model_hash or info.get(
+                "outer_state_hash") is not None:
+            raise RejectedInput(f"round {r} starts from neither the genesis model nor a "
+                                "certified one", "invalid_base")
         return spec.genesis_model_hash, None
-    state = verify_certificate(info["base_certificate"], spec, base_of_round=r)
+    # The newest certificate before round r: round r-1's, or an earlier one's when the
+    # rounds between were voided (specs/protocol.md 6; the audit checks each void).
+    try:
+        certified_round = CertifiedState.from_body(cert["certified"]).round
+    except (KeyError, TypeError) as exc:
+        raise InvalidCertificate(f"malformed base certificate: {exc}") from None
+    if not 1 <= certified_round <= r:
+        raise InvalidCertificate(f"round {r}'s base certificate is for round {certified_round}")
+    state = verify_certificate(cert, spec, base_of_round=certified_round)
     if (state.model_hash, state.outer_state_hash) != (
             info["base_model_hash"], info["outer_state_hash"]):
         raise RejectedInput("round's base differs from its certificate", "invalid_base")

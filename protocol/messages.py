@@ -162,7 +162,11 @@ SCHEDULE = f.record(
         "round_seconds": f.number(0.1, 86_400 * 7),
         "min_submissions": f.integer(1, MAX_WORKERS_PER_ROUND),
         "max_rounds": f.integer(1, MAX_ROUND),
-    }
+        "certify_seconds": f.number(1.0, 86_400 * 7),
+    },
+    # ``certify_seconds`` (how long a closed round waits for its certificate before it
+    # is voided, specs/protocol.md 6): ``RunSpec.certify_seconds`` when absent.
+    absent_ok=frozenset({"certify_seconds"}),
 )
 VERIFICATION = f.record(
     {
@@ -287,6 +291,15 @@ class RunSpec(Message):
         """``(probe_examples, probe_factor)``; ``(0, 0.0)`` (no probe filter) when absent."""
         v = self.verification
         return int(v.get("probe_examples", 0)), float(v.get("probe_factor", 0.0))
+
+    @property
+    def certify_seconds(self) -> float:
+        """How long a closed round waits for a quorum's certificate before the ledger voids
+        it (``schedule.certify_seconds``; absent: the larger of 600 s and 10 rounds'
+        time, room for validators that recompute at scale)."""
+        value = self.schedule.get("certify_seconds")
+        return float(value) if value is not None else max(
+            600.0, 10.0 * float(self.schedule["round_seconds"]))
 
     @property
     def threshold_beacon(self) -> bool:

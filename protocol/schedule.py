@@ -3,12 +3,16 @@
     open --(deadline passed and >= min_submissions, or every active worker in)--> closed
     open --(deadline passed, too few submissions)--> open, deadline extended
     closed --(quorum of matching validator attestations)--> finalized; next round opens
+    closed --(no quorum possible, or none by certify_seconds)--> voided; next round opens
+                                                               on the same base
 
 The ledger feeds it the time and the counts and persists what it returns.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -17,6 +21,7 @@ class RoundStatus(StrEnum):
     OPEN = "open"
     CLOSED = "closed"
     FINALIZED = "finalized"
+    VOIDED = "voided"
 
 
 class Action(StrEnum):
@@ -52,3 +57,23 @@ def next_action(view: RoundView, now: float, *, min_submissions: int) -> Action:
 def is_accepting_submissions(view: RoundView, now: float) -> bool:
     """Submissions are taken while the round is open (late ones are stragglers)."""
     return view.status is RoundStatus.OPEN
+
+
+def void_reason(*, closed_at: float, now: float, certify_seconds: float,
+                results: Mapping[int, str], eligible: int, quorum: int) -> str | None:
+    """Why a closed round that has no certificate is given up, or None while one can
+    still come. ``results``: validator index -> the digest of the state it certified;
+    ``eligible``: the validators whose attestation counts.
+
+    A split is certain once the largest group of identical results plus the validators
+    yet to post is under the quorum (``max_count + (eligible - posted) < quorum``); a
+    timeout once ``certify_seconds`` passed since the close. Either way the run goes on:
+    the round is voided and the next one opens on the same certified base."""
+    groups = Counter(results.values())
+    largest = max(groups.values(), default=0)
+    if largest + (eligible - len(results)) < quorum:
+        return (f"split: {len(results)} results certify {len(groups)} different states; "
+                f"no {quorum} of them can agree")
+    if now >= closed_at + certify_seconds:
+        return f"timeout: no certificate {certify_seconds:g} s after the round closed"
+    return None

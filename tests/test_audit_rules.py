@@ -885,3 +885,43 @@ def test_registrations_are_recorded_in_chain_order():
     rules.process_registration(state, 3, WORKERS[1])
     rules.process_registration(state, 9, WORKERS[1])  # a second registration row: the first
     assert state.registered == {WORKERS[1]: 3}
+
+
+def test_a_round_is_voided_only_when_no_quorum_can_come_and_then_opens_again():
+    """3 validators, quorum 2, certify_seconds max(600, 10 x round_seconds) when absent."""
+    spec = dataclasses.replace(make_spec(), schedule={"round_seconds": 1.0})
+    a, facts = certified_result(validator=0)
+    b = ResultView(*[*dataclasses.astuple(certified_result(validator=1)[0])[:7],
+                     {**a.certified, "model_hash": "77" * 32}])
+    results = [RecordedResult(40, a, facts), RecordedResult(41, b, facts)]
+
+    def state() -> AuditState:
+        s = state_with(beaconed_round(results=list(results), closed_at=100.0), spec=spec)
+        s.next_base = GENESIS  # the base round 0 opened on: still the next one's
+        return s
+
+    listed = [{"validator": 0, "certified_digest": digest_of(a.certified)},
+              {"validator": 1, "certified_digest": digest_of(b.certified)}]
+    early = {"round": 0, "reason": "split", "voided_at": 101.0, "results": listed}
+    # Validator 2 may still side with either: no split yet, and 600 s have not passed.
+    raises("round voided while a quorum could still agree before its certify_seconds",
+           rules.process_round_voided, state(), 50, early)
+    raises("voided round's results are not its recorded ones", rules.process_round_voided,
+           state(), 50, {**early, "voided_at": 700.0, "results": listed[:1]})
+    s = state()
+    rules.process_round_voided(s, 50, {**early, "voided_at": 700.0})  # the timeout
+    assert s.current.voided and s.next_base == GENESIS
+    raises("finalizes a voided round", rules.process_round_finalized, s, 51,
+           finalized_body(a))
+    raises("result for a voided round", rules.process_round_result, s, 52, a,
+           VALIDATORS[0], facts)
+    rules.process_round_opened(s, 53, {"round": 1, "base_model_hash": GENESIS})
+    assert s.current.index == 1
+    # A split is final at once: the third validator certified yet another state.
+    c = ResultView(*[*dataclasses.astuple(certified_result(validator=2)[0])[:7],
+                     {**a.certified, "model_hash": "78" * 32}])
+    s = state_with(beaconed_round(results=[*results, RecordedResult(42, c, facts)],
+                                  closed_at=100.0), spec=spec)
+    rules.process_round_voided(s, 50, {**early, "results": [
+        *listed, {"validator": 2, "certified_digest": digest_of(c.certified)}]})
+    assert s.current.voided

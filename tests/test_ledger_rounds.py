@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import pytest
@@ -92,3 +93,119 @@ def test_failed_check_bans_and_forfeits_unvested_rewards(tmp_path, reason):
     assert rows[honest.public_key.hex()]["forfeited"] == 0.0
     assert rows[cheat.public_key.hex()]["banned_until_round"] == 1 + run.spec.verification["ban_rounds"]
     assert status == 403 and refused["reason"] == "banned"
+
+
+async def _events_and_key(api: Api, run_id: str):
+    from veritrain.ledger.audit import fetch_events
+    from veritrain.ledger.client import LedgerClient
+
+    async with LedgerClient(api.url, retry_for=5.0) as client:
+        key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
+        return await fetch_events(client, run_id), key
+
+
+def test_a_split_round_is_voided_and_the_run_goes_on_from_the_same_base(tmp_path):
+    """Round 0 is certified. In round 1 three validators certify three different states:
+    no quorum of 2 can ever agree, so the ledger voids it at once (nobody paid or banned,
+    each digest chained) and round 2 opens on round 0's certified model, vouched for by
+    round 0's certificate (the newest before it)."""
+    from veritrain.ledger.audit import verify_events
+    from veritrain.protocol.certificates import certified_base
+    from veritrain.protocol.encoding import decode_canonical
+
+    run = make_fake_run("split-run", n_validators=3, quorum=2, schedule={
+        "round_seconds": 3600.0, "min_submissions": 1, "max_rounds": 5})
+    worker = Identity.generate("worker")
+    v0, v1, v2 = run.validators
+    genesis, m0 = run.spec.genesis_model_hash, hashlib.sha256(b"M0").hexdigest()
+    rewards = {worker.public_key.hex(): 100.0}
+
+    async def scenario(api: Api):
+        await api.create_run(run)
+        await api.register(run, worker)
+        sub = make_submission(run, worker, b"payload!")
+        assert (await api.submit(sub, b"payload!"))[0] == 201
+        await post_share(api, run, v0, 0)
+        seed = beacon_seed_of((await post_share(api, run, v1, 0))["beacon"])
+        for v in (v0, v1):
+            await post_result(api, run, v, 0, genesis, seed,
+                              [verdict(worker, sub.digest, True)], rewards, b"M0")
+        sub1 = make_submission(run, worker, b"payload1", round_index=1, base=m0)
+        assert (await api.submit(sub1, b"payload1"))[0] == 201
+        await post_share(api, run, v0, 1)
+        seed1 = beacon_seed_of((await post_share(api, run, v2, 1))["beacon"])
+        verdicts1 = [verdict(worker, sub1.digest, True)]
+        for v, model in ((v0, b"M-a"), (v1, b"M-b")):
+            status, _ = await post_result(api, run, v, 1, m0, seed1, verdicts1, rewards, model)
+            assert status == 201
+        await asyncio.sleep(0.3)  # a quorum can still agree: v2 may side with either
+        still = (await api.get("/v1/runs/split-run/rounds/1"))[1]
+        status, _ = await post_result(api, run, v2, 1, m0, seed1, verdicts1, rewards, b"M-c")
+        assert status == 201
+        while (await api.get("/v1/runs/split-run/rounds/1"))[1]["status"] != "voided":
+            await asyncio.sleep(0.05)
+        nxt = (await api.get("/v1/runs/split-run/rounds/2"))[1]
+        sub2 = make_submission(run, worker, b"payload2", round_index=2, base=m0)
+        accepted = (await api.submit(sub2, b"payload2"))[0]
+        report = (await api.get("/v1/runs/split-run/report"))[1]
+        events, key = await _events_and_key(api, "split-run")
+        return still, nxt, accepted, report, events, key
+
+    still, nxt, accepted, report, events, key = run_api(tmp_path, scenario)
+    assert still["status"] == "closed"
+    assert nxt["status"] == "open" and nxt["base_model_hash"] == m0 and accepted == 201
+    assert nxt["base_certificate"]["certified"]["round"] == 1
+    assert certified_base(run.spec, nxt) == (m0, hashlib.sha256(b"momentum M0").hexdigest())
+    voided = [decode_canonical(e.body) for e in events if e.kind == "round_voided"]
+    assert len(voided) == 1 and voided[0]["round"] == 1
+    assert voided[0]["reason"].startswith("split: 3 results certify 3")
+    assert [x["validator"] for x in voided[0]["results"]] == [0, 1, 2]
+    assert len({x["certified_digest"] for x in voided[0]["results"]}) == 3
+    (w,) = report["workers"]
+    assert w["reward"] == pytest.approx(100.0) and w["accepted"] == 1  # round 0's only
+    audit = verify_events(events, key)
+    assert audit.ok, audit.problem
+
+
+def test_a_round_without_a_quorum_by_certify_seconds_is_voided(tmp_path):
+    """Only one of three validators posts: after ``certify_seconds`` the round is voided
+    (timeout) and, as it was the last round, the run finishes on the genesis model."""
+    from veritrain.ledger.audit import verify_events
+    from veritrain.protocol.encoding import decode_canonical
+
+    run = make_fake_run("timeout-run", n_validators=3, quorum=2, schedule={
+        "round_seconds": 3600.0, "min_submissions": 1, "max_rounds": 1,
+        "certify_seconds": 1.0})
+    worker = Identity.generate("worker")
+    v0, v1, _ = run.validators
+
+    async def scenario(api: Api):
+        await api.create_run(run)
+        await api.register(run, worker)
+        sub = make_submission(run, worker, b"payload!")
+        assert (await api.submit(sub, b"payload!"))[0] == 201
+        await post_share(api, run, v0, 0)
+        seed = beacon_seed_of((await post_share(api, run, v1, 0))["beacon"])
+        await post_result(api, run, v0, 0, run.spec.genesis_model_hash, seed,
+                          [verdict(worker, sub.digest, True)], {}, b"M1")
+        for _ in range(100):
+            overview = (await api.get("/v1/runs/timeout-run"))[1]
+            if overview["status"] != "active":
+                break
+            await asyncio.sleep(0.05)
+        info = (await api.get("/v1/runs/timeout-run/rounds/0"))[1]
+        late = await post_result(api, run, v1, 0, run.spec.genesis_model_hash, seed,
+                                 [verdict(worker, sub.digest, True)], {}, b"M1")
+        events, key = await _events_and_key(api, "timeout-run")
+        return overview, info, late, events, key
+
+    overview, info, late, events, key = run_api(tmp_path, scenario)
+    assert overview["status"] == "finished" and info["status"] == "voided"
+    assert late[0] == 409 and late[1]["reason"] == "wrong_state" and "voided" in late[1][
+        "detail"], late
+    voided = [decode_canonical(e.body) for e in events if e.kind == "round_voided"]
+    assert len(voided) == 1 and voided[0]["reason"].startswith("timeout: no certificate 1 s")
+    assert voided[0]["voided_at"] - info["closed_at"] >= 1.0
+    assert [e.kind for e in events][-2:] == ["round_voided", "run_finished"]
+    audit = verify_events(events, key)
+    assert audit.ok, audit.problem

@@ -192,7 +192,7 @@ class ValidatorNode:
                         return
                     await asyncio.sleep(self.config.poll_seconds)
                     continue
-                if info["status"] == "finalized":
+                if info["status"] in ("finalized", "voided"):
                     r += 1
                     continue
                 if info["status"] == "open":

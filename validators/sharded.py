@@ -438,7 +438,7 @@ class ShardedRound:
             await asyncio.sleep(self.poll_seconds)
             view = await self.client.get_json(path)
             if view.get("check") is None and (await self.client.get_json(
-                    f"/v1/runs/{spec.run_id}/rounds/{r}"))["status"] == "finalized":
+                    f"/v1/runs/{spec.run_id}/rounds/{r}"))["status"] in ("finalized", "voided"):
                 raise LedgerRefused(409, "round_finalized", "finalized before the check seed")
         pubs = verified_publications(view.get("results"), spec, r, faults)
         try:

@@ -317,6 +317,11 @@ async def answer_checks(client: LedgerClient, run: RunContext, identity: Identit
     for r in state.pending_rounds():
         base = f"/v1/runs/{spec.run_id}/rounds/{r}"
         info = await client.get_json(base)
+        if info["status"] == "voided":  # no certificate could come: no verdicts, no pay
+            log.warning("round %d was voided (its validators reached no quorum); its "
+                        "submission earns nothing", r)
+            state.settle(r)
+            continue
         if info["status"] == "finalized":
             check_receipts_honoured(run, state.receipts(r), ledger_key, info,
                                     (await client.get_json(f"{base}/results"))["results"])
