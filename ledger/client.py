@@ -298,6 +298,24 @@ async def fetch_base_files(client: LedgerClient, spec: RunSpec, info: dict[str, 
     return model, await client.get_blob(outer_hash, max_bytes=2 * max_model_bytes)
 
 
+async def fetch_participants(client: LedgerClient, run_id: str, *, page: int = 1000
+                             ) -> list[dict[str, Any]]:
+    """Every worker row ``GET /v1/runs/{run}/participants`` serves, page by page (``page``
+    rows a request, following ``next_offset``): a run may have up to 10,000 workers a
+    round, ten pages of the API's largest."""
+    rows: list[dict[str, Any]] = []
+    offset: int | None = 0
+    while offset is not None:
+        got = await client.get_json(
+            f"/v1/runs/{run_id}/participants?offset={offset}&limit={page}")
+        rows.extend(got["participants"])
+        nxt = got.get("next_offset")
+        if nxt is not None and (not isinstance(nxt, int) or nxt <= offset):
+            raise RejectedInput("the participant list's next page goes backwards", "malformed")
+        offset = nxt
+    return rows
+
+
 async def last_certified_model(client: LedgerClient, run_id: str, *, max_model_bytes: int
                                ) -> tuple[RunSpec, bytes, CertifiedState]:
     """The newest model a quorum of ``run_id``'s validators certified: its certificate

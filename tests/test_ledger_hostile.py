@@ -291,6 +291,12 @@ def test_participants_are_paged(tmp_path):
         assert len(last["participants"]) == 1 and last["next_offset"] is None
         keys = [p["pubkey"] for p in (await api.get(path))[1]["participants"]]
         assert keys == [w.public_key.hex() for w in workers]
+        # What a validator reads: every page (a run may have 10,000 workers, 10 pages).
+        from veritrain.ledger.client import LedgerClient, fetch_participants
+
+        async with LedgerClient(api.url, retry_for=5.0) as client:
+            paged = await fetch_participants(client, run.spec.run_id, page=2)
+        assert [p["pubkey"] for p in paged] == keys
 
     run_api(tmp_path, scenario)
 

@@ -32,6 +32,7 @@ from veritrain.ledger.client import (
     LedgerRefused,
     LedgerUnavailable,
     fetch_base_files,
+    fetch_participants,
     fetch_run,
 )
 from veritrain.protocol import dkg
@@ -498,9 +499,8 @@ class ValidatorNode:
         # One sealed list for the share, the candidates and the buckets: the one signed.
         sealed = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/submissions")
         seed = await self.beacon_seed(client, spec, r, sealed["submissions"])
-        parts = await client.get_json(f"/v1/runs/{spec.run_id}/participants")
         registered, banned = set(), set()
-        for p in parts["participants"]:
+        for p in await fetch_participants(client, spec.run_id):  # every page
             try:
                 reg = open_signed(p["registration"], Registration).message
             except RejectedInput:
