@@ -724,6 +724,28 @@ def check_validator_fault(state: AuditState, index: int, body: dict[str, Any]) -
         raise Bad("fault without a recorded result that differs from the certificate")
 
 
+def check_shard_sources(spec: RunSpec, rnd: RoundState, certified: CertifiedState) -> None:
+    """9.3 ``round_finalized`` of a sharded run: "the certified state takes each shard from
+    the fixed list (`result` = its entry, never one a `shard_fault` names) or from a
+    recomputation of a shard the list left empty or a `shard_fault` names (`result`
+    null)"; other runs name no shards."""
+    if not spec.shards:
+        if certified.shards is not None:
+            raise Bad("certified shard sources in a run that does not shard")
+        return
+    sources = certified.shards
+    if sources is None or [x["shard"] for x in sources] != list(range(spec.shards)):
+        raise Bad("the certified state does not name each shard's source")
+    listed = rnd.shard_list or [None] * spec.shards
+    for x in sources:
+        k = x["shard"]
+        if x["result"] is not None and (x["result"] != listed[k] or k in rnd.shard_faults):
+            raise Bad(f"shard {k} certified from a result the fixed list does not name, or "
+                      "one a quorum proved faulty")
+        if x["result"] is None and listed[k] is not None and k not in rnd.shard_faults:
+            raise Bad(f"shard {k} recomputed although listed and never proven faulty")
+
+
 def process_round_finalized(state: AuditState, index: int, body: dict[str, Any]
                             ) -> RoundState:
     """9.3 ``round_finalized``: "the certificate (section 7.4) ...; a recorded `round_result`
@@ -747,6 +769,7 @@ def process_round_finalized(state: AuditState, index: int, body: dict[str, Any]
         raise Bad("certificate signers are not a quorum of the validator set")
     if set(signers) & rnd.shard_faults:
         raise Bad("certificate counts a validator whose shard a quorum proved faulty")
+    check_shard_sources(spec, rnd, certified)
     match = [res for res in rnd.results if res.message.certified == checked["certified"]]
     if not match:
         raise Bad("no recorded validator result carries the certified state")

@@ -971,6 +971,10 @@ class LedgerStore:
         if cert.verdicts_hash != digest_of(res.verdicts) or cert.scores_hash != digest_of(
                 res.scores):
             raise RejectedInput("verdict or score digest mismatch", "malformed")
+        if (cert.shards is not None) != bool(spec.shards) or (cert.shards is not None and [
+                x["shard"] for x in cert.shards] != list(range(spec.shards))):
+            raise RejectedInput("a sharded run's certified state names each shard's source "
+                                "in order; any other run's names none", "malformed")
         if rnd.beacon is None or res.beacon_seed != beacon_seed_of(rnd.beacon):
             raise RejectedInput("result uses another beacon than the round's", "wrong_beacon")
         return idx

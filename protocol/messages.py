@@ -568,7 +568,13 @@ class CertifiedState(Message):
     verdicts_hash: str
     scores_hash: str
     eval_loss: float
+    #: Sharded runs only: where each coordinate shard of the aggregate came from, in shard
+    #: order: ``{"shard": k, "result": the verified list's digest of the publication
+    #: used, or null when recomputed, "aggregate": shard_aggregate_digest of its values}``
+    #: (specs/secure-averaging.md E.1). Absent otherwise.
+    shards: list[dict[str, Any]] | None = None
 
+    ABSENT_OK: ClassVar[frozenset[str]] = frozenset({"shards"})
     SCHEMA: ClassVar[dict[str, f.Checker]] = {
         "run_id": f.string(64, RUN_ID_PATTERN),
         "round": f.integer(1, MAX_ROUND),
@@ -578,6 +584,9 @@ class CertifiedState(Message):
         "verdicts_hash": f.HASH,
         "scores_hash": f.HASH,
         "eval_loss": LOSS,
+        "shards": f.list_of(f.record({"shard": f.integer(0, 255),
+                                      "result": f.optional(f.HASH),
+                                      "aggregate": f.HASH}), 256),
     }
 
 

@@ -206,7 +206,8 @@ def verdict(worker: Identity, digest: str, ok: bool, reason: str = "spot_check_f
 
 
 async def post_result(api: Api, run: FakeRun, v: Identity, r: int, base: str, seed: str,
-                      verdicts: list, rewards: dict[str, float], model: bytes) -> tuple[int, dict]:
+                      verdicts: list, rewards: dict[str, float], model: bytes,
+                      shards: list[dict] | None = None) -> tuple[int, dict]:
     scores = [{"worker": x["worker"], "samples": 80, "quality": 1.0,
                "score": 80.0 if x["status"] == "accepted" else 0.0,
                "reward": rewards.get(x["worker"], 0.0)} for x in verdicts]
@@ -215,7 +216,7 @@ async def post_result(api: Api, run: FakeRun, v: Identity, r: int, base: str, se
         run_id=run.spec.run_id, round=r + 1, model_hash=hashlib.sha256(model).hexdigest(),
         outer_state_hash=hashlib.sha256(outer).hexdigest(),
         update_hash=hashlib.sha256(update).hexdigest(), verdicts_hash=digest_of(verdicts),
-        scores_hash=digest_of(scores), eval_loss=2.0)
+        scores_hash=digest_of(scores), eval_loss=2.0, shards=shards)
     result = RoundResult(run_id=run.spec.run_id, round=r, validator=v.public_key.hex(),
                          base_model_hash=base, beacon_seed=seed, verdicts=verdicts,
                          scores=scores, certified=certified.to_body(),

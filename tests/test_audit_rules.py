@@ -925,3 +925,28 @@ def test_a_round_is_voided_only_when_no_quorum_can_come_and_then_opens_again():
     rules.process_round_voided(s, 50, {**early, "results": [
         *listed, {"validator": 2, "certified_digest": digest_of(c.certified)}]})
     assert s.current.voided
+
+
+def test_a_sharded_certificate_takes_each_shard_from_the_list_or_a_proven_recomputation():
+    spec = make_spec(shards=3)
+    listed = ["a1" * 32, "a2" * 32, None]
+    rnd = beaconed_round(shard_list=listed, shard_faults={1})
+
+    def state_of(*results: str | None) -> CertifiedState:
+        view, _ = certified_result()
+        return dataclasses.replace(CertifiedState.from_body(view.certified), shards=[
+            {"shard": k, "result": x, "aggregate": f"{k:02x}" * 32}
+            for k, x in enumerate(results)])
+
+    rules.check_shard_sources(spec, rnd, state_of(listed[0], None, None))
+    raises("shard 0 certified from a result the fixed list does not name, or one a quorum "
+           "proved faulty", rules.check_shard_sources, spec, rnd, state_of("a9" * 32, None, None))
+    raises("shard 1 certified from a result the fixed list does not name, or one a quorum "
+           "proved faulty", rules.check_shard_sources, spec, rnd,
+           state_of(listed[0], listed[1], None))
+    raises("shard 0 recomputed although listed and never proven faulty",
+           rules.check_shard_sources, spec, rnd, state_of(None, None, None))
+    raises("the certified state does not name each shard's source", rules.check_shard_sources,
+           spec, rnd, dataclasses.replace(state_of(listed[0], None, None), shards=None))
+    raises("certified shard sources in a run that does not shard", rules.check_shard_sources,
+           make_spec(), rnd, state_of(listed[0], None, None))

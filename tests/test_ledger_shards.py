@@ -138,9 +138,13 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypat
         verdicts = [verdict(worker, submission.digest, True)]
         rewards = {worker.public_key.hex(): 100.0}
         genesis = run.spec.genesis_model_hash
+        # Shard 0 recomputed (proven faulty), 1 and 2 too (the list has none of them).
+        sources = [{"shard": k, "result": None, "aggregate": f"{k:02x}" * 32} for k in range(3)]
+        out["no_sources"] = await post_round_result(api, run, v1, 0, genesis, seed, verdicts,
+                                                    rewards, b"M1")
         for v in (v0, v1, v2):
             out[f"result{run.validators.index(v)}"] = await post_round_result(
-                api, run, v, 0, genesis, seed, verdicts, rewards, b"M1")
+                api, run, v, 0, genesis, seed, verdicts, rewards, b"M1", shards=sources)
         out["info"] = (await api.get(f"/v1/runs/{RUN}/rounds/0"))[1]
         async with LedgerClient(api.url) as client:
             key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
@@ -179,7 +183,9 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypat
     faults = [json.loads(e.body) for e in out["events"] if e.kind == "shard_fault"]
     assert [f["penalty"] for f in faults] == ["excluded_from_quorum"]  # the fault's cost
     assert view["list"] == [out["view"]["results"][0]["body"]["result_digest"], None, None]
+    assert (code["no_sources"], reason["no_sources"]) == (400, "malformed")
     assert [out[f"result{i}"][1]["certificate"] for i in range(3)] == [False, False, True]
+    assert [x["result"] for x in out["info"]["certificate"]["certified"]["shards"]] == [None] * 3
     assert out["result1"][1]["attestations"] == 1  # v0's equal result left out
     assert out["info"]["certificate"]["signers"] == [1, 2]
     assert out["audit"].ok, out["audit"].problem

@@ -151,7 +151,7 @@ def _run(board: LyingBoard, rows: torch.Tensor, once: SignedOnce | None = None,
     node = ShardedRound(board, VALIDATORS[me], once or SignedOnce(), poll_seconds=0.0,
                         shard_wait=0.0)
     try:
-        return asyncio.run(node.aggregate(SPEC, _filtered(rows))), node, None
+        return asyncio.run(node.aggregate(SPEC, _filtered(rows)))[0], node, None
     except BoardFault as exc:
         return None, node, exc
 

@@ -47,6 +47,7 @@ from veritrain.validators.sharded import (
     decode_shard_result,
     encode_shard_result,
     settle_shards,
+    shard_aggregate_digest,
 )
 
 V = 3
@@ -277,6 +278,12 @@ def test_three_validators_catch_a_shifted_shard_and_certify_the_honest_model(tmp
     reference = finish_round(run, filtered, honest_agg, base, OuterState.zeros(run.numel))
     assert torch.equal(outcomes[0].aggregate, honest_agg)
     assert torch.equal(outcomes[0].new_flat, reference.new_flat)
+    # The certificate names each shard's source: the listed results of validators 0 and 1,
+    # the cheater's shard recomputed (its values the honest ones).
+    sources = summary["certificate"]["certified"]["shards"]
+    assert [x["result"] for x in sources] == [shards["list"][0], shards["list"][1], None]
+    assert [x["aggregate"] for x in sources] == [
+        shard_aggregate_digest(compute_own_shard(filtered, V, k)) for k in range(V)]
     assert late[0] == 409 and late[1]["reason"] == "round_finalized"
     assert stranger[0] == 403
     assert audit.ok, audit.problem

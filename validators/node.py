@@ -544,8 +544,9 @@ class ValidatorNode:
                 device=self.config.device, scratch=scratch))
         release_free_memory()
         lap("verification")
+        sources = None  # sharded runs: where each shard of the aggregate came from
         if spec.shards and filtered.stacked is not None:
-            aggregate = await self.sharded_aggregate(client, run, filtered)
+            aggregate, sources = await self.sharded_aggregate(client, run, filtered)
         else:
             aggregate = await asyncio.to_thread(aggregate_locally, run, filtered, seed)
         release_free_memory()
@@ -570,7 +571,7 @@ class ValidatorNode:
             outer_state_hash=outer_hash,
             update_hash=sha256_hex(outcome.update_payload),
             verdicts_hash=digest_of(outcome.verdicts),
-            scores_hash=digest_of(outcome.scores), eval_loss=outcome.eval_loss)
+            scores_hash=digest_of(outcome.scores), eval_loss=outcome.eval_loss, shards=sources)
         result = RoundResult(
             run_id=spec.run_id, round=r, validator=self.me,
             base_model_hash=info["base_model_hash"], beacon_seed=seed.hex(),
@@ -645,9 +646,10 @@ class ValidatorNode:
     # ------------------------------------------------------------- sharded rounds
 
     async def sharded_aggregate(self, client: LedgerClient, run: RunContext,
-                                filtered: FilteredRound) -> torch.Tensor:
+                                filtered: FilteredRound
+                                ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
         """Publish this validator's shard, sign one verified list, settle the rest
-        (validators/sharded.py ``ShardedRound``)."""
+        (validators/sharded.py ``ShardedRound``); the aggregate and its shards' sources."""
         sharded = ShardedRound(client, self.identity, self.signed_once, self.config.poll_seconds,
                                self.config.shard_wait, self.config.attack, self.skipped_posts)
         return await sharded.aggregate(run.spec, filtered)

@@ -332,6 +332,29 @@ def settle_shards(
     return Settlement(aggregate, checks, disputes, ordered)
 
 
+def shard_aggregate_digest(result: ShardResult) -> str:
+    """SHA-256 over a shard aggregate's float32 values (little endian), in its own domain:
+    the same for every validator that computed the same values, whoever published them."""
+    h = hashlib.sha256(b"veritrain/v1/secure/shard-aggregate")
+    values = result.aggregate.detach().to(torch.float32).cpu().contiguous()
+    h.update(memoryview(values.numpy()).cast("B"))
+    return h.hexdigest()
+
+
+def shard_sources(settled: Settlement, listed: list[str | None]) -> list[dict[str, Any]]:
+    """What the certified state names of the assembled aggregate (``CertifiedState.shards``):
+    per shard the verified list's digest when the result used is exactly the listed
+    publication, null when it was recomputed (missing, malformed or proven faulty), and the
+    digest of the values used. The audit checks every null against a proven fault or an
+    empty list entry (specs/secure-averaging.md E.1)."""
+    out: list[dict[str, Any]] = []
+    for k, used in enumerate(settled.used):
+        taken = listed[k] is not None and used.digest().hex() == listed[k]
+        out.append({"shard": k, "result": listed[k] if taken else None,
+                    "aggregate": shard_aggregate_digest(used)})
+    return out
+
+
 # --------------------------------------------------------------------- the board
 
 
@@ -424,8 +447,10 @@ class ShardedRound:
             self.skipped.append({"round": r, "reason": "board_fault", "detail": detail[:300]})
         faults.clear()
 
-    async def aggregate(self, spec: RunSpec, filtered: FilteredRound) -> torch.Tensor:
-        """Publish this validator's shard, fix and verify the list and seed, settle the rest."""
+    async def aggregate(self, spec: RunSpec, filtered: FilteredRound
+                        ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+        """Publish this validator's shard, fix and verify the list and seed, settle the rest.
+        Returns the aggregate and where each shard of it came from (``shard_sources``)."""
         r = filtered.round_index
         me = spec.validator_index(self.identity.public_key.hex())
         assert me is not None
@@ -467,7 +492,7 @@ class ShardedRound:
         settled = await asyncio.to_thread(settle_shards, filtered, own, others,
                                           num_shards=spec.shards, me=me, inputs_differ=differ)
         await self._post_findings(spec, r, settled, listed)
-        return settled.aggregate
+        return settled.aggregate, await asyncio.to_thread(shard_sources, settled, listed)
 
     async def _publish(self, spec: RunSpec, r: int, me: int, own: ShardResult, inputs: str,
                        path: str) -> ShardPublication:
