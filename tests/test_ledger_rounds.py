@@ -14,17 +14,27 @@ from veritrain.protocol.identity import Identity
 from veritrain.protocol.rules import PENALIZED_REASONS
 
 
+async def open_round0(api: Api, run, worker: Identity, signers: list[Identity]):
+    """Create ``run``, register ``worker``, submit its round-0 update and fix the beacon
+    from ``signers``' shares (in that order): (the submission, the fixed beacon)."""
+    await api.create_run(run)
+    await api.register(run, worker)
+    sub = make_submission(run, worker, b"payload!")
+    assert (await api.submit(sub, b"payload!"))[0] == 201
+    fixed = None
+    for v in signers:
+        fixed = (await post_share(api, run, v, 0))["beacon"]
+    return sub, fixed
+
+
 def test_quorum_certifies_and_a_dissenting_validator_is_recorded(tmp_path):
     run = make_fake_run("quorum-run", n_validators=3, quorum=2)
     worker = Identity.generate("worker")
     v0, v1, v2 = run.validators
 
     async def scenario(api: Api):
-        await api.create_run(run)
-        await api.register(run, worker)
-        sub = make_submission(run, worker, b"payload!")
-        assert (await api.submit(sub, b"payload!"))[0] == 201
-        assert (await post_share(api, run, v2, 0))["beacon"] is None
+        sub, fixed = await open_round0(api, run, worker, [v2])
+        assert fixed is None  # one share is not a quorum
         fixed = (await post_share(api, run, v0, 0))["beacon"]
         assert fixed["signers"] == [0, 2]
         seed = beacon_seed_of(fixed)
@@ -121,12 +131,8 @@ def test_a_split_round_is_voided_and_the_run_goes_on_from_the_same_base(tmp_path
     rewards = {worker.public_key.hex(): 100.0}
 
     async def scenario(api: Api):
-        await api.create_run(run)
-        await api.register(run, worker)
-        sub = make_submission(run, worker, b"payload!")
-        assert (await api.submit(sub, b"payload!"))[0] == 201
-        await post_share(api, run, v0, 0)
-        seed = beacon_seed_of((await post_share(api, run, v1, 0))["beacon"])
+        sub, fixed = await open_round0(api, run, worker, [v0, v1])
+        seed = beacon_seed_of(fixed)
         for v in (v0, v1):
             await post_result(api, run, v, 0, genesis, seed,
                               [verdict(worker, sub.digest, True)], rewards, b"M0")
@@ -180,12 +186,8 @@ def test_a_round_without_a_quorum_by_certify_seconds_is_voided(tmp_path):
     v0, v1, _ = run.validators
 
     async def scenario(api: Api):
-        await api.create_run(run)
-        await api.register(run, worker)
-        sub = make_submission(run, worker, b"payload!")
-        assert (await api.submit(sub, b"payload!"))[0] == 201
-        await post_share(api, run, v0, 0)
-        seed = beacon_seed_of((await post_share(api, run, v1, 0))["beacon"])
+        sub, fixed = await open_round0(api, run, worker, [v0, v1])
+        seed = beacon_seed_of(fixed)
         await post_result(api, run, v0, 0, run.spec.genesis_model_hash, seed,
                           [verdict(worker, sub.digest, True)], {}, b"M1")
         for _ in range(100):

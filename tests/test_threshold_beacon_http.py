@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import stat
+from typing import Any
 
 import pytest
 from fakes import validator_identities
@@ -30,19 +31,28 @@ from veritrain.validators.node import ValidatorConfig, ValidatorNode
 RUN = "threshold-run"
 
 
-def test_threshold_beacon_round_over_http(tmp_path):
+def threshold_run(run_id: str) -> tuple[Identity, list[Identity], Any, RunContext, list,
+                                         dict, dict, dict]:
+    """A threshold-beacon run of 3 validators (quorum 2) and two honest workers' prepared
+    round-0 submissions: (organiser, validators, bundle, run, workers, preps, prepared,
+    settings)."""
     organiser = Identity.generate("organiser")
     validators = validator_identities(3)
     settings = synthetic_settings()
     settings["verification"]["beacon"] = "threshold"
-    bundle = build_run(organiser, RUN, settings, [v.public for v in validators], quorum=2)
-    spec = bundle.signed.message
-    assert spec.threshold_beacon
-    run = RunContext.build(spec, bundle.dataset)
+    bundle = build_run(organiser, run_id, settings, [v.public for v in validators], quorum=2)
+    run = RunContext.build(bundle.signed.message, bundle.dataset)
     base = run.decode_model(bundle.genesis)
     workers = [Identity.generate("worker") for _ in range(2)]
     preps = {w.public_key.hex(): honest(run, base, w) for w in workers}
     prepared = {k: (p.signed.message, p.payload) for k, p in preps.items()}
+    return organiser, validators, bundle, run, workers, preps, prepared, settings
+
+
+def test_threshold_beacon_round_over_http(tmp_path):
+    _, validators, bundle, run, workers, preps, prepared, _ = threshold_run(RUN)
+    spec = bundle.signed.message
+    assert spec.threshold_beacon
 
     async def scenario(api: Api):
         await submit_all(api, bundle, workers, prepared)
@@ -200,17 +210,9 @@ def test_the_run_goes_on_when_a_validator_leaves_after_the_dkg(tmp_path):
     fix the round's beacon from their two partials and finalize it (specs/protocol.md
     5.4a, validator-set changes)."""
     run_id = "threshold-leave"
-    organiser = Identity.generate("organiser")
-    validators = validator_identities(3)
-    settings = synthetic_settings()
-    settings["verification"]["beacon"] = "threshold"
-    bundle = build_run(organiser, run_id, settings, [v.public for v in validators], quorum=2)
+    organiser, validators, bundle, run, workers, preps, prepared, settings = threshold_run(
+        run_id)
     spec = bundle.signed.message
-    run = RunContext.build(spec, bundle.dataset)
-    base = run.decode_model(bundle.genesis)
-    workers = [Identity.generate("worker") for _ in range(2)]
-    preps = {w.public_key.hex(): honest(run, base, w) for w in workers}
-    prepared = {k: (p.signed.message, p.payload) for k, p in preps.items()}
 
     def node(i: int) -> ValidatorNode:
         return ValidatorNode(ValidatorConfig(ledger_url="", run_id=run_id, poll_seconds=0.05,
