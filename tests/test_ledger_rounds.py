@@ -181,15 +181,20 @@ def test_a_round_without_a_quorum_by_certify_seconds_is_voided(tmp_path):
 
     run = make_fake_run("timeout-run", n_validators=3, quorum=2, schedule={
         "round_seconds": 3600.0, "min_submissions": 1, "max_rounds": 1,
-        "certify_seconds": 1.0})
+        "certify_seconds": 60.0})
     worker = Identity.generate("worker")
     v0, v1, _ = run.validators
 
     async def scenario(api: Api):
+        real, ahead = api.store.clock, [0.0]
+        api.store.clock = lambda: real() + ahead[0]  # the ledger's clock, moved on below
         sub, fixed = await open_round0(api, run, worker, [v0, v1])
         seed = beacon_seed_of(fixed)
         await post_result(api, run, v0, 0, run.spec.genesis_model_hash, seed,
                           [verdict(worker, sub.digest, True)], {}, b"M1")
+        await asyncio.sleep(0.3)
+        assert (await api.get("/v1/runs/timeout-run/rounds/0"))[1]["status"] == "closed"
+        ahead[0] = 61.0  # certify_seconds have passed
         for _ in range(100):
             overview = (await api.get("/v1/runs/timeout-run"))[1]
             if overview["status"] != "active":
@@ -206,8 +211,8 @@ def test_a_round_without_a_quorum_by_certify_seconds_is_voided(tmp_path):
     assert late[0] == 409 and late[1]["reason"] == "wrong_state" and "voided" in late[1][
         "detail"], late
     voided = [decode_canonical(e.body) for e in events if e.kind == "round_voided"]
-    assert len(voided) == 1 and voided[0]["reason"].startswith("timeout: no certificate 1 s")
-    assert voided[0]["voided_at"] - info["closed_at"] >= 1.0
+    assert len(voided) == 1 and voided[0]["reason"].startswith("timeout: no certificate 60 s")
+    assert voided[0]["voided_at"] - info["closed_at"] >= 60.0
     assert [e.kind for e in events][-2:] == ["round_voided", "run_finished"]
     audit = verify_events(events, key)
     assert audit.ok, audit.problem
