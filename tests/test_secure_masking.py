@@ -335,7 +335,9 @@ def test_invalid_unclipped_contribution_fails_its_opening():
     y = np.floor(big.double().numpy() * ctx.scale).astype(np.int64).astype(np.uint32)
     from veritrain.aggregation.secure.masking import (
         _mask_terms,
+        _priv_bytes,
         _self_key,
+        commitment_salt,
         quantized_commitment,
     )
     from veritrain.aggregation.secure.prg import combine_streams
@@ -344,7 +346,9 @@ def test_invalid_unclipped_contribution_fails_its_opening():
     terms = [(_self_key(ctx, w, b.secrets[w].self_seed), 1)]
     terms += _mask_terms(ctx, w, b.secrets[w].mask_key, b.adverts, ctx.members)
     combine_streams(masked, terms)
-    mk = dataclasses.replace(b.masked[w], words=masked, commitment=quantized_commitment(ctx, w, y))
+    salt = commitment_salt(ctx, w, b.secrets[w].self_seed, _priv_bytes(b.secrets[w].mask_key))
+    mk = dataclasses.replace(b.masked[w], words=masked,
+                             commitment=quantized_commitment(ctx, w, y, salt))
     op = dataclasses.replace(b.openings[w], quantized=y)
     assert not open_masked_contribution(ctx, b.adverts, b.commitments, mk, op)
 
@@ -514,3 +518,29 @@ def test_secure_package_imports_no_io_pickle_or_weak_rng():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_the_quantized_commitment_is_salted_with_secrets_only_an_opening_reveals():
+    """A guess of q_i cannot be tested against the public commitment: the salt needs both
+    the self-mask seed and the mask private key, of which unmasking reveals at most one."""
+    import hashlib
+
+    from veritrain.aggregation.secure.masking import (
+        _priv_bytes,
+        commitment_salt,
+        quantized_commitment,
+    )
+    from veritrain.aggregation.secure.prg import encode_parts
+
+    b = make_bucket(size=3, max_dropouts=1, dim=64, seed=11)
+    ctx, w = b.ctx, b.ctx.members[0]
+    q, secrets = b.openings[w].quantized, b.secrets[w]
+    seed, private = secrets.self_seed, _priv_bytes(secrets.mask_key)
+    assert b.masked[w].commitment == quantized_commitment(
+        ctx, w, q, commitment_salt(ctx, w, seed, private))
+    unsalted = hashlib.sha256(b"veritrain/v1/secure/quantized" + encode_parts(
+        ctx.run_id, ctx.round_index, w) + np.ascontiguousarray(q, dtype="<u4").tobytes())
+    assert b.masked[w].commitment != unsalted.digest()
+    # Knowing one of the two secrets (as after unmasking) gives another salt.
+    assert commitment_salt(ctx, w, seed, bytes(32)) != commitment_salt(ctx, w, seed, private)
+    assert commitment_salt(ctx, w, bytes(32), private) != commitment_salt(ctx, w, seed, private)

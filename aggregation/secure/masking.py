@@ -92,6 +92,7 @@ __all__ = [
     "ShareReveal",
     "WorkerSecrets",
     "deal_shares",
+    "commitment_salt",
     "default_max_dropouts",
     "generate_secrets",
     "mask_update",
@@ -375,10 +376,22 @@ def _transport_key(ctx: BucketContext, shared: bytes, dealer: bytes, holder: byt
     return derive_key(shared, "share-transport", ctx.binding(), dealer, holder)
 
 
-def quantized_commitment(ctx: BucketContext, worker: bytes, words: np.ndarray) -> bytes:
-    """SHA-256 commitment to a worker's quantized update q_i (opened by a spot check)."""
+def commitment_salt(ctx: BucketContext, worker: bytes, self_seed: bytes,
+                    mask_private: bytes) -> bytes:
+    """The salt of a worker's quantized-update commitment: a key derived from both its
+    self-mask seed and its raw mask private key. Unmasking makes at most one of the two
+    public (a survivor's seed, a dropout's key), so the salt stays secret until a spot
+    check opens both: nobody can test a guess of q_i against the public commitment."""
+    return derive_key(self_seed + mask_private, "quantized-salt", ctx.binding(), worker)
+
+
+def quantized_commitment(ctx: BucketContext, worker: bytes, words: np.ndarray,
+                         salt: bytes) -> bytes:
+    """Salted SHA-256 commitment to a worker's quantized update q_i (opened by a spot
+    check): ``sha256("veritrain/v1/secure/quantized" || lp(run, round, worker, salt) ||
+    q LE)``."""
     h = hashlib.sha256(b"veritrain/v1/secure/quantized")
-    h.update(encode_parts(ctx.run_id, ctx.round_index, worker))
+    h.update(encode_parts(ctx.run_id, ctx.round_index, worker, salt))
     h.update(np.ascontiguousarray(words, dtype="<u4").tobytes())
     return h.digest()
 
@@ -562,8 +575,10 @@ def mask_update(
         threads=threads,
     )
     y = np.add(q, mask)  # mod 2^32
-    masked = MaskedInput(me, ctx.bucket, quantized_commitment(ctx, me, q), y)
-    return masked, MaskOpening(me, q, mine.self_seed, _priv_bytes(mine.mask_key))
+    private = _priv_bytes(mine.mask_key)
+    salt = commitment_salt(ctx, me, mine.self_seed, private)
+    masked = MaskedInput(me, ctx.bucket, quantized_commitment(ctx, me, q, salt), y)
+    return masked, MaskOpening(me, q, mine.self_seed, private)
 
 
 def reveal_shares(
@@ -777,7 +792,8 @@ def open_masked_contribution(
         q = opening.quantized
         if not isinstance(q, np.ndarray) or q.dtype != np.uint32 or q.shape != (ctx.dim,):
             return False
-        if quantized_commitment(ctx, me, q) != masked.commitment:
+        salt = commitment_salt(ctx, me, opening.self_seed, opening.mask_private)
+        if quantized_commitment(ctx, me, q, salt) != masked.commitment:
             return False
         qf = torch.from_numpy(q.view(np.int32).astype(np.float64))
         scale = ctx.scale
