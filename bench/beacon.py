@@ -26,18 +26,30 @@ process": no HTTP), then one round's beacon. Reported:
   lowest-indexed one) each combined to a group signature: the number of distinct seeds
   (1: the ledger's choice of quorum cannot choose the seed).
 
+* **over HTTP** (``--http-sizes``, default 4 and 16): a ledger process
+  (``veritrain ledger serve``) and one spawned process per validator, each running
+  ``ValidatorNode.run_dkg`` against the ledger as a validator node does: the DKG's
+  wall time from the last validator's start to the last one holding the group key,
+  each validator's CPU seconds, and the bytes each moved through its client (its
+  posts and every poll of the board), up and down. The processes share this
+  machine's cores, so the wall time is an upper bound for validators on machines
+  of their own.
+
 Last line (one per n, the largest last)::
 
     beacon: n=<n> quorum=<q> seeds_over_quorums=<k distinct> dkg_s=<x> dkg_bytes_per_validator=<x> round_ms=<x>
 
-Run: ``.venv/bin/python bench/beacon.py [--sizes 4,16,64] [--quorums 20] [--all-cold]``
+Run: ``.venv/bin/python bench/beacon.py [--sizes 4,16,64] [--quorums 20] [--all-cold]
+[--http-sizes 4,16]``
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 import types
@@ -204,20 +216,122 @@ def bench_n(n: int, args: argparse.Namespace) -> str:
             f"dkg_bytes_per_validator={per_validator:.0f} round_ms={1e3 * round_s:.0f}")
 
 
+def dkg_node_process(url: str, run_id: str, key_path: str, state_dir: str,
+                     poll_seconds: float) -> dict[str, Any]:
+    """One validator's DKG in a process of its own (``--dkg-node``): what ``veritrain
+    validator`` runs first in a threshold-beacon run."""
+    import asyncio
+    from pathlib import Path
+
+    from veritrain.ledger.client import LedgerClient, fetch_run
+    from veritrain.protocol.identity import read_key_file
+    from veritrain.validators.node import ValidatorConfig, ValidatorNode
+
+    identity = read_key_file(Path(key_path))
+    node = ValidatorNode(ValidatorConfig(ledger_url=url, run_id=run_id,
+                                         poll_seconds=poll_seconds,
+                                         state_dir=Path(state_dir)), identity)
+
+    async def go() -> dict[str, Any]:
+        async with LedgerClient(url, retry_for=120.0) as client:
+            spec = await fetch_run(client, run_id)
+            started, cpu = time.time(), time.process_time()
+            result = await node.run_dkg(client, spec)
+            return {"started": started, "ended": time.time(),
+                    "cpu": time.process_time() - cpu, "group": result.group_key,
+                    "share": node.dkg_node is not None and node.dkg_node.share is not None,
+                    "up": sum(client.traffic.up.values()),
+                    "down": sum(client.traffic.down.values())}
+
+    return asyncio.run(go())
+
+
+def bench_http(n: int, poll_seconds: float) -> str:
+    """The DKG among ``n`` validator processes over a ledger process (see the docstring)."""
+    import asyncio
+    import tempfile
+    from pathlib import Path
+
+    from veritrain.ledger.client import publish_run
+    from veritrain.protocol.identity import write_key_file
+    from veritrain.protocol.presets import run_preset
+
+    from veritrain.local import LocalProcesses
+    from veritrain.synthetic import make_synthetic_run
+
+    quorum = default_quorum(n)
+    validators = [Identity.generate("validator") for _ in range(n)]
+    verification = {**run_preset("tiny")["verification"], "beacon": "threshold"}
+    run = make_synthetic_run(RUN, validators, quorum=quorum, verification=verification,
+                             schedule={"round_seconds": 600.0, "min_submissions": 1,
+                                       "max_rounds": 1})
+    print(f"\n== n={n} validators, quorum {quorum}: over HTTP, a ledger process and {n} "
+          f"validator processes ==", flush=True)
+    with tempfile.TemporaryDirectory(prefix="beacon-http-") as tmp:
+        root = Path(tmp)
+        for i, v in enumerate(validators):
+            write_key_file(root / f"v{i}.key", v)
+        procs = LocalProcesses(root / "logs")
+        nodes: list[subprocess.Popen[str]] = []
+        try:
+            url = procs.start_ledger(root / "ledger")
+            asyncio.run(publish_run(url, run))
+            # Each validator a process of its own, as `veritrain validator` runs.
+            nodes = [subprocess.Popen(
+                [sys.executable, __file__, "--dkg-node", json.dumps(
+                    [url, RUN, str(root / f"v{i}.key"), str(root / f"state{i}"),
+                     poll_seconds])], stdout=subprocess.PIPE, text=True)
+                for i in range(n)]
+            outs = []
+            for node in nodes:
+                out, _ = node.communicate(timeout=1800)
+                if node.returncode != 0:
+                    raise SystemExit(f"n={n}: a validator process failed ({node.returncode})")
+                outs.append(json.loads(out.strip().splitlines()[-1]))
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    node.kill()
+            procs.stop_all()
+    if len({o["group"] for o in outs}) != 1 or not all(o["share"] for o in outs):
+        raise SystemExit(f"n={n}: the validator processes did not all hold one group key")
+    wall = max(o["ended"] for o in outs) - max(o["started"] for o in outs)
+    cpu = [o["cpu"] for o in outs]
+    up = statistics.mean(o["up"] for o in outs)
+    down = statistics.mean(o["down"] for o in outs)
+    print(f"DKG wall (last start to last group key) {wall:.1f} s; CPU per validator median "
+          f"{statistics.median(cpu):.1f} s, max {max(cpu):.1f} s; bytes per validator up "
+          f"{up / 1e3:.1f} kB, down {down / 1e3:.1f} kB (polls every {poll_seconds:g} s)",
+          flush=True)
+    return (f"beacon_http: n={n} quorum={quorum} dkg_wall_s={wall:.1f} "
+            f"dkg_cpu_s_max={max(cpu):.1f} dkg_bytes_per_validator={up + down:.0f}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--dkg-node"]:  # one validator process of bench_http
+        print(json.dumps(dkg_node_process(*json.loads(argv[1]))), flush=True)
+        return 0
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--sizes", default="4,16,64", help="validator counts (default 4,16,64)")
     parser.add_argument("--quorums", type=int, default=20,
                         help="random quorums combined per n (default 20)")
     parser.add_argument("--all-cold", action="store_true",
                         help="every validator decodes the deals itself (slow at n = 64)")
+    parser.add_argument("--http-sizes", default="4,16",
+                        help="validator counts for the DKG over HTTP with real processes "
+                        "(default 4,16; empty: none)")
+    parser.add_argument("--poll-seconds", type=float, default=0.5,
+                        help="how often an HTTP validator polls the board (the node default)")
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
-    if not sizes or min(sizes) < 2:
-        parser.error("--sizes takes validator counts of 2 or more")
+    http_sizes = [int(x) for x in args.http_sizes.split(",") if x]
+    if not sizes or min(sizes + http_sizes) < 2:
+        parser.error("--sizes and --http-sizes take validator counts of 2 or more")
     if args.quorums < 1:
         parser.error("--quorums must be 1 or more")
-    lines = [bench_n(n, args) for n in sizes]
+    lines = [bench_http(n, args.poll_seconds) for n in http_sizes]
+    lines += [bench_n(n, args) for n in sizes]
     print()
     for line in lines:
         print(line)

@@ -35,3 +35,17 @@ def test_quorums_are_drawn_from_the_partials_and_start_with_the_lowest(monkeypat
     assert seen[0] == [0, 1, 2, 3] and all(len(s) == 4 and set(s) <= set(range(6))
                                            for s in seen)
     assert distinct == len({tuple(s) for s in seen})  # a seed per distinct combination
+
+
+def test_the_beacon_bench_over_http_runs_the_dkg_in_validator_processes(capsys):
+    """A ledger process and three validator processes: each ends the DKG holding a share
+    of one group key (the bench raises otherwise) and moves bytes through its client."""
+    beacon = load_bench("beacon")
+    line = beacon.bench_http(3, 0.2)
+    m = re.fullmatch(r"beacon_http: n=3 quorum=2 dkg_wall_s=([\d.]+) dkg_cpu_s_max=([\d.]+) "
+                     r"dkg_bytes_per_validator=(\d+)", line)
+    assert m is not None, line
+    assert float(m.group(1)) > 0 and float(m.group(2)) > 0
+    # Its own keys, deal, complaint and result up; at least the others' posts down.
+    assert int(m.group(3)) > 3 * 4 * 300
+    assert "validator processes" in capsys.readouterr().out
