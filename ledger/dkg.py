@@ -207,8 +207,10 @@ def group_result(s: Session, run_id: str) -> dkg.DkgResult | None:
                          public_shares=group["public_shares"])
 
 
-def view(s: Session, spec: RunSpec, started_at: float, now: float) -> dict[str, Any]:
-    """What ``GET /v1/runs/{run}/dkg`` serves: the phases, every post by kind, the group."""
+def view(s: Session, spec: RunSpec, started_at: float, now: float, *, posts: bool = True
+         ) -> dict[str, Any]:
+    """What ``GET /v1/runs/{run}/dkg`` serves: the phases, every post by kind (null with
+    ``posts`` False: a poll waiting for a phase needs none), the group."""
     rows = _rows(s, spec.run_id, 0, PHASES)
     phases = schedule(spec, started_at, rows, now)
     group = group_row(s, spec.run_id)
@@ -217,7 +219,7 @@ def view(s: Session, spec: RunSpec, started_at: float, now: float) -> dict[str, 
             "failed": (why := failure(phases, group)) is not None, "failure": why,
             "group": group,
             "posts": {k: [decode_canonical(r.body) for r in rows if r.kind == k]
-                      for k in PHASES}}
+                      for k in PHASES} if posts else None}
 
 
 def accept_post(s: Session, spec: RunSpec, wire: Any, started_at: float, now: float

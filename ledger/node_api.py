@@ -313,10 +313,13 @@ async def get_beacon(request: web.Request) -> web.Response:
 @routes.get("/v1/runs/{run_id}/dkg")
 async def get_dkg(request: web.Request) -> web.Response:
     """A threshold-beacon run's DKG board: the phases, every post by kind, the group
-    (specs/protocol.md 5.4a)."""
+    (specs/protocol.md 5.4a); ``?posts=none``: the same without the posts, for polling."""
     ledger = request.app[LEDGER]
+    posts = request.query.get("posts", "all")
+    if posts not in ("all", "none"):
+        raise EncodingError("query parameter posts must be all or none")
     return web.json_response(await ledger.read(ledger.store.dkg_view,
-                                               request.match_info["run_id"]))
+                                               request.match_info["run_id"], posts == "all"))
 
 
 @routes.post("/v1/runs/{run_id}/dkg")

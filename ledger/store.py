@@ -665,11 +665,11 @@ class LedgerStore:
     # ----------------------------------------------------------------- threshold beacon
     # specs/protocol.md 5.4a: the DKG's board (ledger/dkg.py) and each round's partials.
 
-    def dkg_view(self, s: Session, run_id: str) -> dict[str, Any]:
+    def dkg_view(self, s: Session, run_id: str, posts: bool = True) -> dict[str, Any]:
         spec = self.get_spec(s, run_id)
         run = s.get(t.Run, run_id)
         assert run is not None
-        return dkg_board.view(s, spec, run.created_at, self.clock())
+        return dkg_board.view(s, spec, run.created_at, self.clock(), posts=posts)
 
     def post_dkg(self, wire: Any) -> dict[str, Any]:
         """A validator's DKG post; the group key is fixed (and chained, with the results a

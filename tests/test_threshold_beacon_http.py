@@ -84,6 +84,12 @@ def test_threshold_beacon_round_over_http(tmp_path):
             assert "does not hold this validator's share" in tampered.faults[0]["detail"]
             view = (await api.get(f"/v1/runs/{RUN}/dkg"))[1]
             assert view["group"]["group_key"] == groups[0].group_key
+            # What a waiting validator polls: the same board without its posts.
+            light = (await api.get(f"/v1/runs/{RUN}/dkg?posts=none"))[1]
+            assert light["posts"] is None and sum(map(len, view["posts"].values())) == 12
+            assert {k: light[k] for k in ("phases", "phase", "failed", "group")} == {
+                k: view[k] for k in ("phases", "phase", "failed", "group")}
+            assert (await api.get(f"/v1/runs/{RUN}/dkg?posts=some"))[0] == 400
 
             sealed = (await client.get_json(f"/v1/runs/{RUN}/rounds/0/submissions"))[
                 "submissions"]
