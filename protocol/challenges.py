@@ -28,17 +28,55 @@ from dataclasses import dataclass
 from typing import Any
 
 from .commitments import CHUNK, LEAF, chunk_count
+from .secagg import round_buckets
 
 #: Chunks a check opens when a run spec predates the setting.
 DEFAULT_OPENED_CHUNKS = 16
 
 
-def select_spot_checks(seed: bytes, workers: Iterable[str], count: int) -> list[str]:
-    """The ``count`` workers the beacon picks for a full check, lowest rank first."""
-    ranked = sorted(
+#: Masked runs: a bucket's unopened members number 0 or at least this many, so the bucket
+#: sum minus the opened updates is never one worker's update (secure-averaging.md E.2).
+MIN_UNOPENED = 2
+
+
+def _spot_rank(seed: bytes, workers: Iterable[str]) -> list[str]:
+    return sorted(
         workers, key=lambda w: hashlib.sha256(seed + b"spot-check" + bytes.fromhex(w)).digest()
     )
-    return ranked[: max(0, count)]
+
+
+def select_spot_checks(seed: bytes, workers: Iterable[str], count: int) -> list[str]:
+    """The ``count`` workers the beacon picks for a full check, lowest rank first."""
+    return _spot_rank(seed, workers)[: max(0, count)]
+
+
+def select_openings(seed: bytes, workers: Sequence[str], count: int, bucket_size: int
+                    ) -> list[str]:
+    """A masked run's opened workers, at most ``count``: the beacon's spot-check ranking,
+    except that no bucket (``round_buckets`` of the same seed and sealed submitters) is
+    left with exactly one unopened member, whose update would be the bucket sum minus the
+    opened ones: a worker that would leave one is opened only together with that last
+    one (when ``count`` allows two more), else skipped. A worker in no bucket has no
+    masked input to open."""
+    ranked = _spot_rank(seed, workers)
+    buckets = round_buckets(seed, workers, bucket_size)
+    bucket_of = {w: i for i, b in enumerate(buckets) for w in b}
+    unopened = [len(b) for b in buckets]
+    chosen: list[str] = []
+    for w in ranked:
+        i = bucket_of.get(w)
+        if len(chosen) >= count:
+            break
+        if i is None or w in chosen:
+            continue
+        if unopened[i] - 1 >= MIN_UNOPENED or unopened[i] - 1 == 0:
+            chosen.append(w)
+            unopened[i] -= 1
+        elif count - len(chosen) >= 2:  # the bucket's last two go together
+            chosen += [w, next(x for x in ranked if bucket_of.get(x) == i
+                               and x != w and x not in chosen)]
+            unopened[i] -= 2
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -52,24 +90,28 @@ class ChallengePolicy:
     opened_only: bool = False
     opened_chunks: int = DEFAULT_OPENED_CHUNKS  # C: chunks a segment check opens
     binding_chunks: int = DEFAULT_OPENED_CHUNKS  # C_b: chunks the binding check opens
+    #: Masked runs: the buckets' target size, so that openings leave ``MIN_UNOPENED``
+    #: members of each bucket unopened (:func:`select_openings`).
+    bucket_size: int = 0
 
     @classmethod
-    def from_spec(cls, inner: dict, verification: dict, *, masked: bool = False
+    def from_spec(cls, inner: dict, verification: dict, *, masked: dict | None = None
                   ) -> ChallengePolicy:
         return cls(
             segments=inner["steps"] // inner["trail_every"],
             per_worker=float(verification["challenges_per_worker"]),
             full_checks=int(verification["spot_checks_per_round"]),
             always_last=bool(verification["always_last"]),
-            opened_only=masked,
+            opened_only=masked is not None,
             opened_chunks=int(verification.get("opened_chunks", DEFAULT_OPENED_CHUNKS)),
             binding_chunks=int(verification.get("binding_chunks", DEFAULT_OPENED_CHUNKS)),
+            bucket_size=int(masked["bucket_size"]) if masked is not None else 0,
         )
 
     @classmethod
     def of_run(cls, spec: Any) -> ChallengePolicy:
         """The policy of a run spec."""
-        return cls.from_spec(spec.inner, spec.verification, masked=spec.masked is not None)
+        return cls.from_spec(spec.inner, spec.verification, masked=spec.masked)
 
     @property
     def binding(self) -> bool:
@@ -101,7 +143,9 @@ def compute_challenges(seed: bytes, workers: Sequence[str], policy: ChallengePol
                        ) -> dict[str, list[int]]:
     """Challenged segment indices (sorted) for every worker in ``workers``."""
     s = policy.segments
-    full = set(select_spot_checks(seed, workers, policy.full_checks))
+    full = set(select_openings(seed, workers, policy.full_checks, policy.bucket_size)
+               if policy.opened_only and policy.bucket_size else
+               select_spot_checks(seed, workers, policy.full_checks))
     out: dict[str, list[int]] = {}
     for worker in sorted(workers):
         if worker in full:

@@ -91,8 +91,7 @@ def clip_quality(updates: torch.Tensor | Rows, aggregate: torch.Tensor, tau: flo
 def round_challenges(run: RunContext, candidates: list[Candidate], beacon_seed: bytes
                      ) -> dict[str, list[int]]:
     """The segments each worker in the sealed list must reveal (same rule as the ledger)."""
-    policy = ChallengePolicy.from_spec(run.spec.inner, run.spec.verification,
-                                       masked=run.spec.masked is not None)
+    policy = ChallengePolicy.of_run(run.spec)
     return compute_challenges(beacon_seed, sorted({c.worker for c in candidates}), policy)
 
 

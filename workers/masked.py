@@ -54,6 +54,7 @@ from veritrain.aggregation.secure import (
 from veritrain.ledger.client import LedgerClient, LedgerRefused
 from veritrain.protocol.beacon import sealed_list_digest_of
 from veritrain.protocol.board import BoardFault, SignedOnce, open_member_post
+from veritrain.protocol.challenges import MIN_UNOPENED, ChallengePolicy, compute_challenges
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import (
@@ -103,6 +104,8 @@ class MaskedRound:
         self.path = f"/v1/runs/{spec.run_id}/rounds/{r}/secagg"
         self.opening: MaskOpening | None = None
         self.bucket: int | None = None
+        #: the workers the verified beacon opens this round (set by the deal's check)
+        self.opened: set[str] = set()
         #: the views this node signed (board.py rule 3); the node may pass its own, kept
         #: on disk; a fresh one is enough while secrets die with the process anyway.
         self.once = signed_once if signed_once is not None else SignedOnce()
@@ -244,6 +247,9 @@ class MaskedRound:
             if inputs[w].dealers_digest != dealt:
                 raise BoardFault(f"survivor {w[:12]} masked over other members or dealers "
                                  "than this worker was shown")
+        if 0 < len(set(survivors) - self.opened) < MIN_UNOPENED:
+            # The survivors' sum minus the opened updates would be one worker's update.
+            return "too few unopened survivors: nothing revealed"
         mine_view = view_message(spec, r, self.bucket, me, members, dealers, survivors)
         self.once.claim("secagg_view", spec.run_id, r, view_digest(
             spec.run_id, r, self.bucket, members, dealers, survivors))
@@ -360,6 +366,8 @@ class MaskedRound:
         assert masked is not None
         check_dealt(seed, workers, masked["bucket_size"],
                     [b["assigned"] for b in view["buckets"]])
+        self.opened = {w for w, segs in compute_challenges(
+            seed, workers, ChallengePolicy.of_run(spec)).items() if segs}
 
     async def open_if_challenged(self) -> None:
         """Post the opening if the round's challenges spot-check this worker."""
