@@ -511,7 +511,9 @@ class RevealReceipt(Message):
 # --------------------------------------------------------------------------- round result
 
 #: ``excluded``: kept out of the aggregate by a statistical filter (``FILTER_REASONS`` in
-#: protocol/rules.py) and still paid (specs/scoring.md); ``rejected``: not admissible work.
+#: protocol/rules.py), or in a masked run with its bucket when that was dropped by no fault
+#: of its own (``bucket_dropped``), and still paid (specs/scoring.md, secure-averaging.md
+#: E.2); ``rejected``: not admissible work.
 VERDICT_STATUS = ("accepted", "rejected", "excluded")
 CHECK_KINDS = ("step", "binding")
 SEGMENT_CHECK = f.record(

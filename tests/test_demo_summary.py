@@ -40,3 +40,18 @@ def test_a_bond_run_summary_names_each_slash_and_flags_an_honest_one():
                                           "slashes": [{"round": 1, "amount": 8}]}]
     assert bonds_line(report["workers"][0]) == "; bond 16, never slashed"
     assert bonds_line({"worker": keys[0]}) == ""  # an open run's report has no bonds
+
+
+def test_an_honest_worker_excluded_with_its_bucket_is_not_counted_rejected():
+    workers = [(Path(f"w{i}.key"), Identity.generate("worker")) for i in range(3)]
+    keys = [ident.public_key.hex() for _, ident in workers]
+    dropped = {"round": 4, "reason": "bucket_dropped", "detail": "bucket 0: ..."}
+    report = {"workers": [
+        {"worker": keys[0], "rejected": [], "excluded": [dropped], "score": 40.0},
+        {"worker": keys[1], "rejected": [{"round": 4, "reason": "spot_check_failed"}],
+         "excluded": [], "score": 0.0},
+        {"worker": keys[2], "rejected": [], "score": 40.0},  # a report before "excluded"
+    ]}
+    summary = summarize(report, workers, {1: "free_rider"})
+    assert summary["honest_rejections"] == []
+    assert summary["honest_excluded"] == [{"worker": keys[0][:12], **dropped}]

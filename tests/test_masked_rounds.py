@@ -197,6 +197,12 @@ def test_more_dropouts_than_t_drop_the_bucket_and_nothing_is_revealed(tmp_path):
     assert not board["buckets"][0]["live"] and board["posts"]["reveal"] == []
     verdicts = {v["worker"]: v for v in outcomes[0].verdicts}
     assert {verdicts[k]["reason"] for k in keys} == {"bucket_dropped"}
+    # The dropouts are rejected; the member that masked and was left alone did its part:
+    # excluded (not blamed) and paid its samples at quality 1.
+    assert [verdicts[k]["status"] for k in keys] == ["rejected", "rejected", "excluded"]
+    scores = {sc["worker"]: sc for sc in outcomes[0].scores}
+    assert scores[keys[2]]["quality"] == 1.0 and scores[keys[2]]["score"] > 0
+    assert scores[keys[0]]["score"] == scores[keys[1]]["score"] == 0
     assert float(outcomes[0].aggregate.abs().max()) == 0.0
     assert all(torch.equal(o.new_flat, outcomes[0].new_flat) for o in outcomes)
     assert audit.ok, audit.problem

@@ -249,6 +249,21 @@ def filter_masked_round(
             "status": "rejected", "reason": reason, "detail": detail[:500],
             "spot_checked": False, "distance": None, "checks": [], **extra}
 
+    excluded: dict[str, float] = {}  # worker -> the quality it is paid at
+
+    def exclude(worker: str, reason: str, detail: str) -> None:
+        """A survivor whose bucket another member's fault (or too many dropouts) dropped:
+        it did all its part, so it is left out of the aggregate, not blamed, and paid at
+        quality 1 (specs/secure-averaging.md E.2, step 4): a cheater cannot choose its
+        bucket, so failing its own opening buys its mates nothing it could aim."""
+        if worker in verdicts or worker not in by_worker:
+            return
+        verdicts[worker] = {
+            "worker": worker, "submission_digest": by_worker[worker].signed.digest,
+            "status": "excluded", "reason": reason, "detail": detail[:500],
+            "spot_checked": False, "distance": None, "checks": []}
+        excluded[worker] = 1.0
+
     buckets = [_Bucket(b) for b in boards]
     bucket_of = {w: bk for bk in buckets for w in bk.board.assigned}
     for bk in buckets:
@@ -333,7 +348,9 @@ def filter_masked_round(
             except (SecureAggregationError, KeyError) as exc:
                 bk.dropped = f"cannot unmask: {exc}"
         for w in board.assigned:
-            if bk.dropped is not None:
+            if bk.dropped is not None and w in board.survivors:
+                exclude(w, "bucket_dropped", f"bucket {board.index}: {bk.dropped}")
+            elif bk.dropped is not None:
                 reject(w, "bucket_dropped", f"bucket {board.index}: {bk.dropped}")
             elif w not in board.survivors:
                 reject(w, "dropped_out", f"no masked input in bucket {board.index}")
@@ -360,7 +377,8 @@ def filter_masked_round(
     params = (resolve_aggregator_params(spec.aggregator["params"], stacked)
               if stacked is not None else dict(spec.aggregator["params"]))
     return FilteredRound(round_index, verdicts, by_worker, checks, distances, accepted, stacked,
-                         params, weights=weights or None, rows_of=rows_of)
+                         params, weights=weights or None, rows_of=rows_of,
+                         excluded=sorted(excluded), excluded_quality=excluded)
 
 
 def _open(board: BucketBoard, worker: str, update: torch.Tensor,

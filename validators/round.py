@@ -208,6 +208,9 @@ class FilteredRound:
     #: round's aggregate, as if aggregated (specs/scoring.md, "Excluded updates").
     excluded: list[str] = field(default_factory=list)
     excluded_rows: Rows | None = None
+    #: Excluded workers with no row of their own (a masked bucket dropped for another
+    #: member's fault): the quality each is paid at.
+    excluded_quality: dict[str, float] = field(default_factory=dict)
 
     @property
     def tau(self) -> float | None:
@@ -424,6 +427,7 @@ def step_round(
     else:
         vector = torch.zeros_like(base_flat)
         quality = {}
+    quality.update(filtered.excluded_quality)
     momentum = outer.momentum
     update_payload, sent, residual = encode_update(
         run.codec, vector, outer.residual, seed=run.update_seed(filtered.round_index))

@@ -237,9 +237,13 @@ def summarize(report: dict[str, Any], workers: list[tuple[Path, Identity]],
     caught: dict[str, Any] = {}
     honest_rejections: list[dict[str, Any]] = []
     honest_slashes: list[dict[str, Any]] = []
+    honest_excluded: list[dict[str, Any]] = []
     for i, (_, ident) in enumerate(workers):
         row = by_key.get(ident.public_key.hex())
         rejected = row["rejected"] if row else []
+        if i not in attacks and row is not None:
+            honest_excluded += [{"worker": ident.public_key.hex()[:12], **x}
+                                for x in row.get("excluded", [])]
         if i in attacks:
             caught[attacks[i]] = {
                 "worker": ident.public_key.hex()[:12],
@@ -254,7 +258,7 @@ def summarize(report: dict[str, Any], workers: list[tuple[Path, Identity]],
             honest_slashes.append({"worker": ident.public_key.hex()[:12],
                                    "slashes": row["bond"]["slashes"]})
     return {"cheaters": caught, "honest_rejections": honest_rejections,
-            "honest_slashes": honest_slashes}
+            "honest_slashes": honest_slashes, "honest_excluded": honest_excluded}
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -376,6 +380,10 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"  honest workers rejected: {len(summary['honest_rejections'])}"
               + (f", slashed: {len(summary['honest_slashes'])}" if args.admission == "bond"
                  else ""))
+        if summary["honest_excluded"]:
+            reasons = sorted({x["reason"] for x in summary["honest_excluded"]})
+            print(f"  honest updates excluded (not blamed, paid): "
+                  f"{len(summary['honest_excluded'])} ({', '.join(reasons)})")
         slashed_ok = args.admission != "bond" or (
             not summary["honest_slashes"]
             and all(c["bond"] and c["bond"]["slashes"] and not c["bond"]["admitted"]
