@@ -190,9 +190,12 @@ def group_row(s: Session, run_id: str) -> dict[str, Any] | None:
 
 
 def failed(s: Session, spec: RunSpec, started_at: float, now: float) -> str | None:
-    """:func:`failure` of the run's DKG as the stored posts and the clock make it."""
-    group = group_row(s, spec.run_id)
-    if group is not None:
+    """:func:`failure` of the run's DKG as the stored posts and the clock make it (the
+    ledger's tick asks every active threshold run: once the group is fixed, one indexed
+    lookup, its body never decoded)."""
+    if s.execute(select(t.DkgPost.id).where(
+            t.DkgPost.run_id == spec.run_id, t.DkgPost.round == 0,
+            t.DkgPost.kind == GROUP).limit(1)).first() is not None:
         return None
     return failure(schedule(spec, started_at, _rows(s, spec.run_id, 0, PHASES), now), None)
 

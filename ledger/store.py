@@ -440,15 +440,8 @@ class LedgerStore:
             "run_id": rnd.run_id, "round": rnd.round, "reason": why, "voided_at": now,
             "results": [{"validator": k, "certified_digest": d}
                         for k, d in sorted(results.items())]})
-        if rnd.round + 1 >= spec.schedule["max_rounds"]:
-            run = s.get(t.Run, rnd.run_id)
-            assert run is not None
-            run.status = "finished"
-            self._ledger_event(s, rnd.run_id, "run_finished", {
-                "run_id": rnd.run_id, "rounds": rnd.round + 1})
-        else:
-            self._open_round(s, spec, rnd.round + 1, rnd.base_model_hash,
-                             rnd.outer_state_hash, now)
+        self._next_round(s, spec, rnd.round + 1, rnd.base_model_hash, rnd.outer_state_hash,
+                         now)
 
     def _fail_run(self, s: Session, run: t.Run, reason: str, detail: str) -> None:
         """End a run that cannot go on (specs/protocol.md 6): ``run_failed`` in its chain,
@@ -1076,14 +1069,19 @@ class LedgerStore:
         # Bonds slashed and tickets voided for the round's proven faults, after its
         # certificate (ledger/membership.py): none under the open policy.
         membership.apply_slashes(s, spec, res.round, res.verdicts, emit)
-        if cert.round >= spec.schedule["max_rounds"]:
-            run = s.get(t.Run, res.run_id)
+        self._next_round(s, spec, cert.round, cert.model_hash, cert.outer_state_hash, now)
+
+    def _next_round(self, s: Session, spec: RunSpec, r: int, base: str, outer: str | None,
+                    now: float) -> None:
+        """Open round ``r`` on ``base``, or finish the run when ``r`` reaches max_rounds."""
+        if r >= spec.schedule["max_rounds"]:
+            run = s.get(t.Run, spec.run_id)
             assert run is not None
             run.status = "finished"
-            self._ledger_event(s, res.run_id, "run_finished", {
-                "run_id": res.run_id, "rounds": cert.round})
+            self._ledger_event(s, spec.run_id, "run_finished", {"run_id": spec.run_id,
+                                                                "rounds": r})
         else:
-            self._open_round(s, spec, cert.round, cert.model_hash, cert.outer_state_hash, now)
+            self._open_round(s, spec, r, base, outer, now)
 
     # ----------------------------------------------------------------- rejections
 
