@@ -46,7 +46,9 @@ def _run(policy: dict | None):
 def test_membership_messages_round_trip_and_bind_their_signature(run_id, r, worker, n, kind,
                                                                 ref):
     me = ORG.public_key.hex()
-    msg = {"ticket": lambda: AdmissionTicket(run_id, r, me, worker, r + 1, 5),
+    last = (1 << 40) - 1  # a ticket expires after the round it starts in, both in range
+    msg = {"ticket": lambda: AdmissionTicket(run_id, min(r, last), me, worker,
+                                             min(r, last) + 1, 5),
            "revocation": lambda: AdmissionRevocation(run_id, r, me, worker, 5),
            "deposit": lambda: BondDeposit(run_id, r, me, worker, n, ref, 5),
            "withdrawal": lambda: BondWithdrawal(run_id, r, me, n, 5)}[kind]()
