@@ -58,6 +58,7 @@ from typing import Any
 
 from veritrain.ledger.dkg import DkgBoard
 from veritrain.protocol import dkg
+from veritrain.protocol.beacon import EVERY_WORKER_ADMITTED
 from veritrain.protocol.encoding import encode_canonical
 from veritrain.protocol.identity import Identity
 from veritrain.validators.dkg import DkgNode, beacon_seed_from_partials
@@ -185,11 +186,11 @@ def bench_n(n: int, args: argparse.Namespace) -> str:
 
     spec = bench_spec(validators, quorum)
     result = board.result
-    root = dkg.threshold_beacon_root(RUN, ROUND, SEALED)
+    root = dkg.threshold_beacon_root(RUN, ROUND, SEALED, EVERY_WORKER_ADMITTED)
     sign_times, wires = [], []
     for node in nodes:
         start = time.perf_counter()
-        wires.append(node.partial_post(ROUND, SEALED))
+        wires.append(node.partial_post(ROUND, SEALED, EVERY_WORKER_ADMITTED))
         sign_times.append(time.perf_counter() - start)
     partials = {j: bytes.fromhex(w["body"]["partial"]) for j, w in enumerate(wires)}
     start = time.perf_counter()
@@ -200,7 +201,7 @@ def bench_n(n: int, args: argparse.Namespace) -> str:
     rng = random.Random(f"beacon-bench/{n}")
     offered = [wires[j] for j in sorted(rng.sample(range(n), quorum))]
     start = time.perf_counter()
-    seed = beacon_seed_from_partials(result, spec, ROUND, SEALED, offered)
+    seed = beacon_seed_from_partials(result, spec, ROUND, SEALED, EVERY_WORKER_ADMITTED, offered)
     take_s = time.perf_counter() - start
     distinct, combine_s = seeds_over_quorums(partials, quorum, args.quorums, rng)
     if dkg.threshold_seed(dkg.combine(dict(sorted(partials.items())[:quorum]), quorum)) != seed:

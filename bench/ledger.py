@@ -50,7 +50,12 @@ from veritrain.ledger.audit import verify_export_file
 from veritrain.ledger.ingest import Incoming, accept_batch, open_submissions
 from veritrain.ledger.server import LedgerConfig, make_app
 from veritrain.ledger.store import LedgerStore
-from veritrain.protocol.beacon import beacon_root, beacon_seed_of, sealed_list_digest
+from veritrain.protocol.beacon import (
+    EVERY_WORKER_ADMITTED,
+    beacon_root,
+    beacon_seed_of,
+    sealed_list_digest,
+)
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import (
     BeaconShare,
@@ -157,7 +162,8 @@ def finalize(store: LedgerStore, spec: RunSpec, validator: Identity, r: int,
     """Beacon share and the validator's certified result (everyone honest)."""
     share = BeaconShare(run_id=RUN, round=r, validator=validator.public_key.hex(),
                         share=validator.sign_bls(beacon_root(RUN, r)).hex(),
-                        sealed=sealed_list_digest([d for _, d in subs]))
+                        sealed=sealed_list_digest([d for _, d in subs]),
+                        participants=EVERY_WORKER_ADMITTED)
     seed = beacon_seed_of(store.post_beacon_share(sign(validator, share))["beacon"])
     subs = sorted(subs)
     verdicts = [{"worker": w, "submission_digest": d, "status": "accepted", "reason": "",

@@ -28,7 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from veritrain.protocol import dkg
-from veritrain.protocol.beacon import beacon_seed_of, compute_beacon_seed, sealed_list_digest
+from veritrain.protocol.beacon import (
+    beacon_seed_of,
+    compute_beacon_seed,
+    participant_exclusions,
+    participants_digest,
+    sealed_list_digest,
+)
 from veritrain.protocol.certificates import CERTIFICATE
 from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.errors import RejectedInput
@@ -123,6 +129,7 @@ class ResultFacts:
     submitted: dict[str, str] | Deferred  # worker -> its submission's digest
     #: worker -> reason, for verdicts that say the worker may not submit at all
     excluded: dict[str, str] | Deferred
+    missing_reveal: set[str] | Deferred  # workers certified ``missing_reveal``
 
 
 Lists = tuple[list[dict[str, Any]], list[dict[str, Any]]]
@@ -158,6 +165,9 @@ class RoundState:
     closed_row: int = -1  # the round_closed row
     sealed: str | None = None  # sealed_list_digest(closed), once closed
     shares: dict[int, str] = field(default_factory=dict)  # validator -> its logged BLS share
+    #: The participant view digest the beacon was signed over, and the row that names it
+    participants: str | None = None
+    participants_row: int = -1
     beacon_seed: str | None = None
     results: list[RecordedResult] = field(default_factory=list)
     shard_results: list[str | None] | None = None  # result digests by shard, once published
@@ -375,6 +385,10 @@ def process_beacon_share(state: AuditState, index: int, share: BeaconShare, sign
         raise Bad("beacon share before the round closed")
     if share.sealed != rnd.sealed:
         raise Bad("beacon share names another sealed list than the round's")
+    if rnd.participants is not None and share.participants != rnd.participants:
+        raise Bad("beacon share names another participant view than the round's shares")
+    if rnd.participants is None:
+        rnd.participants, rnd.participants_row = share.participants, index
     rnd.shares.setdefault(idx, share.share)
     return idx
 
@@ -597,9 +611,11 @@ def process_dkg_group_fixed(state: AuditState, index: int, body: dict[str, Any])
 def process_threshold_beacon_fixed(state: AuditState, index: int, body: dict[str, Any]
                                    ) -> None:
     """9.3 ``threshold_beacon_fixed`` (5.4a): "once per round, after it closed; `signature`
-    verifies under the run's group key over `threshold_beacon_root(run, r, sealed)` with
-    `sealed` the round's sealed list". Who signed is not checked: the signature is unique.
-    The round's beacon seed follows from the signature alone."""
+    verifies under the run's group key over `threshold_beacon_root(run, r, sealed,
+    participants)` with `sealed` the round's sealed list" (`participants` is checked
+    against the chain when the round is certified: :func:`check_participant_view`). Who
+    signed is not checked: the signature is unique. The round's beacon seed follows from
+    the signature alone."""
     spec = get_spec(state)
     rnd = get_round(state, body["round"])
     if not spec.threshold_beacon or state.dkg_group_key is None:
@@ -608,10 +624,12 @@ def process_threshold_beacon_fixed(state: AuditState, index: int, body: dict[str
         raise Bad("threshold beacon before the round closed, twice, or over another list")
     try:
         seed = dkg.verify_threshold_beacon(state.dkg_group_key, spec.run_id, rnd.index, body,
-                                           sealed=rnd.sealed)
+                                           sealed=rnd.sealed,
+                                           participants=str(body.get("participants")))
     except RejectedInput as exc:
         raise Bad(f"threshold beacon: {exc}") from None
     rnd.beacon_seed = seed.hex()
+    rnd.participants, rnd.participants_row = body["participants"], index
 
 
 def process_challenges_fixed(state: AuditState, index: int, body: dict[str, Any]) -> None:
@@ -779,6 +797,7 @@ def process_round_finalized(state: AuditState, index: int, body: dict[str, Any]
     if take(res.facts.submission_digests) != sorted(rnd.closed or []):
         raise Bad("certified verdicts do not cover exactly the sealed submissions")
     check_checks_and_reveals(state, rnd, res)
+    check_participant_view(state, rnd, res)
     check_exclusions(state, rnd, res)
     check_bans_and_penalties(state, rnd, res)
     rnd.certified = res
@@ -808,6 +827,34 @@ def check_checks_and_reveals(state: AuditState, rnd: RoundState, res: RecordedRe
         if worker not in due or submitted.get(worker) != digest:
             raise BadEarlier(i, "spot_reveal", "reveal of a worker with no reveal due, or "
                              "naming another worker's submission")
+    for worker in sorted(take(res.facts.missing_reveal)):
+        if worker in rnd.reveals:  # chained, with the ledger's receipt by the deadline
+            raise Bad(f"certified missing_reveal for {worker[:12]}, whose reveal the chain "
+                      f"holds at row {rnd.reveals[worker][0]} with a receipt by the deadline: "
+                      "the ledger withheld it from the validators")
+
+
+def check_participant_view(state: AuditState, rnd: RoundState, res: RecordedResult) -> None:
+    """9.3 ``beacon_share`` / ``threshold_beacon_fixed``: "`participants` is the digest of
+    the chain's participant view of the sealed list (``participant_exclusions``: a worker
+    with no registration row before the round closed, or not admitted, is
+    ``unknown_worker``; one an earlier round's ban covers, ``banned``)", over the sealed
+    workers the certified verdicts name. A beacon over another view means the validators
+    judged against a participant list the chain contradicts. Raises :class:`BadEarlier`
+    naming the row."""
+    if rnd.participants is None:
+        return
+    workers = list(take(res.facts.submitted))
+    registered = {w for w in workers if state.registered.get(w, rnd.closed_row) < rnd.closed_row
+                  and (state.membership is None
+                       or state.membership.admission_problem(w, rnd.index) is None)}
+    banned = {w for w in workers if state.banned_until.get(w, -1) >= rnd.index}
+    if rnd.participants != participants_digest(
+            participant_exclusions(workers, registered, banned)):
+        kind = "threshold_beacon_fixed" if get_spec(state).threshold_beacon else "beacon_share"
+        raise BadEarlier(rnd.participants_row, kind, "the beacon was signed over a "
+                         "participant view the chain contradicts (registrations, admission "
+                         "or bans of the sealed workers)")
 
 
 def check_exclusions(state: AuditState, rnd: RoundState, res: RecordedResult) -> None:

@@ -66,9 +66,10 @@ class DkgBoard:
                                           self.spec.run_id, self.served("dkg_result"))
         return self.result
 
-    def post_partial(self, wire: Any, *, sealed: str) -> dict[str, Any] | None:
+    def post_partial(self, wire: Any, *, sealed: str, participants: str
+                     ) -> dict[str, Any] | None:
         """A validator's partial for the round named in it, against the round's sealed list
-        digest; refused (DkgFault / BoardFault with the reason) when it does not verify
+        and participant view digests; refused (DkgFault / BoardFault with the reason) when it does not verify
         against its public share, so a bad partial never blocks the round. Returns the
         fixed beacon once ``quorum`` good partials are in."""
         if self.result is None:
@@ -78,9 +79,9 @@ class DkgBoard:
             raise dkg.DkgFault("a partial without a round")
         signed = open_member_post(wire, dkg.BeaconPartial, member_field="validator",
                                   members=self.members, run_id=self.spec.run_id,
-                                  round_index=r, sealed=sealed)
+                                  round_index=r, sealed=sealed, participants=participants)
         j = self.index[signed.message.validator]
-        root = dkg.threshold_beacon_root(self.spec.run_id, r, sealed)
+        root = dkg.threshold_beacon_root(self.spec.run_id, r, sealed, participants)
         if not dkg.partial_verifies(self.result.public_shares[j], root,
                                     bytes.fromhex(signed.message.partial)):
             raise dkg.DkgFault(f"validator {j}'s partial signature does not verify against its "

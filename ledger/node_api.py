@@ -222,10 +222,11 @@ async def submit(request: web.Request) -> web.Response:
 @routes.get("/v1/runs/{run_id}/rounds/{round}/submissions")
 async def sealed_submissions(request: web.Request) -> web.Response:
     ledger = request.app[LEDGER]
-    envelopes = await asyncio.get_running_loop().run_in_executor(
+    envelopes, excluded = await asyncio.get_running_loop().run_in_executor(
         ledger.readers, ledger.store.sealed_submissions, request.match_info["run_id"],
         path_round(request))
-    return web.json_response({"submissions": [decode_canonical(e) for e in envelopes]})
+    return web.json_response({"submissions": [decode_canonical(e) for e in envelopes],
+                              "excluded": excluded})
 
 
 @routes.post("/v1/runs/{run_id}/rounds/{round}/results")

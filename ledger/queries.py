@@ -283,6 +283,7 @@ def participants(s: Session, run_id: str, offset: int = 0,
             "next_offset": offset + limit if more else None, "participants": [
                 {"registration": decode_canonical(p.registration) if p.registration else None,
                  "pubkey": p.pubkey, "registered_round": p.registered_round,
+                 "registered_at": p.registered_at,
                  "banned_until_round": p.banned_until_round} for p in rows[:limit]]}
 
 

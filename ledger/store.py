@@ -19,7 +19,13 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from veritrain.protocol import bls, dkg
-from veritrain.protocol.beacon import beacon_root, beacon_seed_of, sealed_list_digest
+from veritrain.protocol.beacon import (
+    beacon_root,
+    beacon_seed_of,
+    participant_exclusions,
+    participants_digest,
+    sealed_list_digest,
+)
 from veritrain.protocol.board import open_member_post
 from veritrain.protocol.encoding import decode_canonical, encode_canonical
 from veritrain.protocol.errors import RejectedInput
@@ -546,15 +552,48 @@ class LedgerStore:
         except IntegrityError as exc:
             raise Conflict("this submission is already recorded") from exc
 
-    def sealed_submissions(self, run_id: str, r: int) -> list[bytes]:
-        """The fixed submission list of a closed round, ordered by worker key."""
+    def sealed_submissions(self, run_id: str, r: int) -> tuple[list[bytes], dict[str, str]]:
+        """The fixed submission list of a closed round, ordered by worker key, and the
+        ledger's participant view of it (``participant_exclusions``), which a worker checks
+        against the digest the round's beacon was signed over."""
         with self.sessions() as s:
             rnd = self._round(s, run_id, r)
             if rnd.status == RoundStatus.OPEN.value:
                 raise WrongState(f"round {r} is still open: submissions are sealed")
-            return list(s.execute(select(t.Submission.envelope).where(
+            envelopes = list(s.execute(select(t.Submission.envelope).where(
                 t.Submission.run_id == run_id, t.Submission.round == r)
                 .order_by(t.Submission.worker)).scalars().all())
+            return envelopes, self.participant_exclusions(s, self.get_spec(s, run_id), r)
+
+    def participant_exclusions(self, s: Session, spec: RunSpec, r: int) -> dict[str, str]:
+        """The ledger's own participant view of round r's sealed list
+        (``participant_exclusions``: its registrations, the chain's admission rows, bans
+        covering r). Empty for every list this ledger sealed unless a worker lost its
+        admission after submitting; validators sign the digest of theirs beside the sealed
+        list, and a share or partial naming another is refused (``wrong_participants``)."""
+        workers = list(s.execute(select(t.Submission.worker).where(
+            t.Submission.run_id == spec.run_id, t.Submission.round == r)).scalars())
+        rows = s.execute(select(t.Participant).where(
+            t.Participant.run_id == spec.run_id, t.Participant.role == "worker",
+            t.Participant.pubkey.in_(workers))).scalars().all() if workers else []
+        registered = {p.pubkey for p in rows if p.registration is not None}
+        state = membership.state_of(s, spec)
+        if not state.policy.open:
+            registered = state.admitted(registered, r)
+        banned = {p.pubkey for p in rows if p.banned_until_round >= r}
+        return participant_exclusions(workers, registered, banned)
+
+    def _check_round_inputs(self, s: Session, spec: RunSpec, r: int, sealed: str,
+                            participants: str, what: str) -> None:
+        """A share or partial names the round's sealed list and the ledger's participant
+        view of it (``wrong_sealed_list`` / ``wrong_participants`` otherwise)."""
+        if sealed != sealed_list_digest(s.execute(select(t.Submission.digest).where(
+                t.Submission.run_id == spec.run_id, t.Submission.round == r)).scalars()):
+            raise RejectedInput(f"the {what} names another sealed list than the round's",
+                                "wrong_sealed_list")
+        if participants != participants_digest(self.participant_exclusions(s, spec, r)):
+            raise RejectedInput(f"the {what} judges the round against another participant "
+                                "view than the chain's", "wrong_participants")
 
     # ----------------------------------------------------------------- beacon
 
@@ -599,11 +638,7 @@ class LedgerStore:
             t.BeaconShareRow.validator_index == idx)).scalar_one_or_none()
         if stored is not None and bytes(stored) == signed.encode():
             return self._beacon_state(s, rnd), idx
-        sealed = sealed_list_digest(s.execute(select(t.Submission.digest).where(
-            t.Submission.run_id == msg.run_id, t.Submission.round == msg.round)).scalars())
-        if msg.sealed != sealed:
-            raise RejectedInput("the share names another sealed list than the round's",
-                                "wrong_sealed_list")
+        self._check_round_inputs(s, spec, msg.round, msg.sealed, msg.participants, "share")
         return None, idx
 
     def beacon_share_verifies(self, signed: Signed[BeaconShare]) -> bool:
@@ -693,11 +728,7 @@ class LedgerStore:
         group = dkg_board.group_result(s, msg.run_id)
         if group is None:
             raise WrongState("the run's DKG has not fixed a group key yet")
-        sealed = sealed_list_digest(s.execute(select(t.Submission.digest).where(
-            t.Submission.run_id == msg.run_id, t.Submission.round == msg.round)).scalars())
-        if msg.sealed != sealed:
-            raise RejectedInput("the partial names another sealed list than the round's",
-                                "wrong_sealed_list")
+        self._check_round_inputs(s, spec, msg.round, msg.sealed, msg.participants, "partial")
         return spec, idx, rnd, group
 
     def open_partial(self, s: Session, run_id: str, r: int, wire: Any) -> Signed[Any]:
@@ -715,7 +746,8 @@ class LedgerStore:
         with self.sessions() as s:
             _, idx, _, group = self._threshold_round(s, signed)
         return self.bls.verify(bytes.fromhex(group.public_shares[idx]),
-                               dkg.threshold_beacon_root(msg.run_id, msg.round, msg.sealed),
+                               dkg.threshold_beacon_root(msg.run_id, msg.round, msg.sealed,
+                                                         msg.participants),
                                bytes.fromhex(msg.partial))
 
     def threshold_beacon_state(self, s: Session, run_id: str, r: int) -> dict[str, Any]:
@@ -748,7 +780,8 @@ class LedgerStore:
                     return self.threshold_beacon_state(s, msg.run_id, msg.round)
                 raise Conflict(f"validator {idx} already posted another partial")
             if not self.bls.verify(bytes.fromhex(group.public_shares[idx]),
-                                   dkg.threshold_beacon_root(msg.run_id, msg.round, msg.sealed),
+                                   dkg.threshold_beacon_root(msg.run_id, msg.round, msg.sealed,
+                                                             msg.participants),
                                    bytes.fromhex(msg.partial)):
                 raise RejectedInput(f"validator {idx}'s partial signature does not verify "
                                     "against its public key share", "bad_signature")
@@ -756,7 +789,8 @@ class LedgerStore:
             if rnd.beacon is None and (fixed := dkg_board.combine_stored(s, spec, msg.round)):
                 rnd.beacon = encode_canonical(fixed)
                 self._ledger_event(s, msg.run_id, "threshold_beacon_fixed", {
-                    "run_id": msg.run_id, "round": msg.round, "sealed": msg.sealed, **fixed})
+                    "run_id": msg.run_id, "round": msg.round, "sealed": msg.sealed,
+                    "participants": msg.participants, **fixed})
                 self._beacon_fixed_effects(s, spec, rnd)
             return self.threshold_beacon_state(s, msg.run_id, msg.round)
 

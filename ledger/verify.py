@@ -429,6 +429,8 @@ class ResultFactsAndViews(ResultFacts):
             submitted=_attempt(lambda: {v["worker"]: v["submission_digest"] for v in verdicts}),
             excluded=_attempt(lambda: {v["worker"]: v["reason"] for v in verdicts
                                        if v["reason"] in ("banned", "unknown_worker")}),
+            missing_reveal=_attempt(lambda: {v["worker"] for v in verdicts
+                                             if v["reason"] == "missing_reveal"}),
             totals=totals,
             lines=render_view_lines(views) if render and not isinstance(views, Deferred)
             else None)

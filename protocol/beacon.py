@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
 from . import bls
@@ -87,6 +87,39 @@ def sealed_list_digest_of(envelopes: Sequence[Any]) -> str:
                                for w in envelopes])
 
 
+def participant_exclusions(workers: Iterable[str], registered: Container[str],
+                           banned: Container[str]) -> dict[str, str]:
+    """What the participant list says about a sealed list's ``workers``: worker ->
+    ``unknown_worker`` (no registration the chain admits) or ``banned`` (a ban covers the
+    round), in ``check_submission``'s order; workers it admits are not named. Empty for
+    every sealed list an honest ledger serves (it refuses such submissions)."""
+    out: dict[str, str] = {}
+    for worker in workers:
+        if worker not in registered:
+            out[worker] = "unknown_worker"
+        elif worker in banned:
+            out[worker] = "banned"
+    return out
+
+
+def participants_digest(exclusions: Mapping[str, str]) -> str:
+    """sha256 (hex) of a round's participant view (``participant_exclusions``): the
+    excluded workers, sorted, each with its reason, length-prefixed, after the tag
+    "veritrain/v1/participant-view". Validators sign it beside the sealed list digest
+    before they judge, so every certifying validator judged against one view and a view
+    the chain contradicts is named by the audit."""
+    h = hashlib.sha256(b"veritrain/v1/participant-view")
+    for worker in sorted(exclusions):
+        for part in (worker, exclusions[worker]):
+            raw = part.encode()
+            h.update(len(raw).to_bytes(4, "big") + raw)
+    return h.hexdigest()
+
+
+#: The participant view of a sealed list whose every worker is registered and not banned.
+EVERY_WORKER_ADMITTED = participants_digest({})
+
+
 def compute_beacon_seed(shares_in_index_order: Sequence[bytes]) -> bytes:
     """32-byte seed from the quorum's beacon shares, ordered by validator index."""
     if not shares_in_index_order:
@@ -109,12 +142,14 @@ def beacon_seed_of(fixed: bytes | dict) -> str:
 
 
 def verify_fixed_beacon(validators: Sequence[dict], quorum: int, run_id: str, round_index: int,
-                        fixed: dict, *, sealed: str, envelopes: Sequence[Any]) -> bytes:
+                        fixed: dict, *, sealed: str, participants: str,
+                        envelopes: Sequence[Any]) -> bytes:
     """The seed of a fixed beacon after checking it, for a party that does not take the
     ledger's word for it: ``signers`` exactly ``quorum`` distinct validator indices in
     ascending order (the ledger fixes the first quorum to arrive), one share each, each
     share in its validator's signed ``BeaconShare`` (``envelopes``, signer order) naming
-    ``sealed`` (the digest of the sealed list this party was served), and every share a
+    ``sealed`` (the digest of the sealed list this party was served) and ``participants``
+    (the digest of the participant view this party holds), and every share a
     valid BLS signature of the beacon root by its validator (a pairing check each,
     about 0.3 s in pure Python). RejectedInput otherwise."""
     signers = fixed.get("signers") if isinstance(fixed, dict) else None
@@ -138,6 +173,9 @@ def verify_fixed_beacon(validators: Sequence[dict], quorum: int, run_id: str, ro
         if msg.sealed != sealed:
             raise RejectedInput(f"validator {k} signed another sealed list than the one "
                                 "served here", "wrong_sealed_list")
+        if msg.participants != participants:
+            raise RejectedInput(f"validator {k} judged against another participant view "
+                                "than the one held here", "wrong_participants")
     key = (run_id, round_index, quorum, tuple(signers), tuple(shares),
            tuple(validators[k]["bls"] for k in signers))
     with _VERIFY_LOCK:  # concurrent callers of one process wait for the first one's answer

@@ -205,13 +205,15 @@ class DkgResult(Message):
 
 @dataclass(frozen=True)
 class BeaconPartial(Message):
-    """A validator's partial signature ``x_j * H(threshold_beacon_root(run, r, sealed))``."""
+    """A validator's partial signature ``x_j * H(threshold_beacon_root(run, r, sealed,
+    participants))``."""
 
     KIND: ClassVar[str] = "beacon_partial"
     run_id: str
     round: int
     validator: str
     sealed: str
+    participants: str
     partial: str
 
     SCHEMA: ClassVar[dict[str, f.Checker]] = {
@@ -219,6 +221,7 @@ class BeaconPartial(Message):
         "round": f.integer(0, MAX_ROUND),
         "validator": f.PUBKEY,
         "sealed": f.HASH,
+        "participants": f.HASH,
         "partial": f.BLS_SIGNATURE,
     }
 
@@ -532,11 +535,15 @@ def agreed_result(results: Mapping[int, Sequence[Signed[DkgResult]]], *, quorum:
 # --------------------------------------------------------------------------- threshold beacon
 
 
-def threshold_beacon_root(run_id: str, round_index: int, sealed: str) -> bytes:
+def threshold_beacon_root(run_id: str, round_index: int, sealed: str,
+                          participants: str) -> bytes:
     """The BLS message of round r's threshold beacon: ``compute_signing_root(
-    "threshold_beacon", run, r, canonical({"sealed": sealed_list_digest}))``."""
+    "threshold_beacon", run, r, canonical({"participants": participants_digest,
+    "sealed": sealed_list_digest}))``: the seed exists only for one sealed list judged
+    against one participant view."""
     return compute_signing_root("threshold_beacon", run_id, round_index,
-                                encode_canonical({"sealed": sealed}))
+                                encode_canonical({"participants": participants,
+                                                  "sealed": sealed}))
 
 
 def partial_sign(share: int, message: bytes) -> bytes:
@@ -575,10 +582,11 @@ def verify_group_signature(group_key: str, message: bytes, signature: bytes) -> 
 
 
 def combine_verified(result: DkgResult, posts: Mapping[int, Sequence[Signed[BeaconPartial]]],
-                     *, run_id: str, round_index: int, sealed: str, quorum: int,
-                     faults: list[str] | None = None) -> tuple[bytes, list[int]]:
+                     *, run_id: str, round_index: int, sealed: str, participants: str,
+                     quorum: int, faults: list[str] | None = None) -> tuple[bytes, list[int]]:
     """The group signature of round r from the partial posts (opened and bound to their
-    members and to ``sealed``, e.g. by ``board.members_posts(..., sealed=sealed)``):
+    members, to ``sealed`` and to ``participants``, e.g. by ``board.members_posts(...,
+    sealed=sealed, participants=participants)``):
     the first ``quorum`` validators' partials in index order are combined and the result
     checked against the group key (one pairing check, whatever the quorum: the group
     signature is unique, so a combination that verifies is the beacon). Only when it
@@ -586,7 +594,7 @@ def combine_verified(result: DkgResult, posts: Mapping[int, Sequence[Signed[Beac
     its reason in ``faults``, when it does not verify; the first ``quorum`` good ones are
     combined. Returns (signature, signer indices); :class:`DkgFault` when fewer than
     ``quorum`` verify. Which quorum is used does not change the signature."""
-    root = threshold_beacon_root(run_id, round_index, sealed)
+    root = threshold_beacon_root(run_id, round_index, sealed, participants)
     first = {j: posts[j][0] for j in sorted(posts)
              if 0 <= j < len(result.public_shares) and posts[j]}
     if len(first) >= quorum:
@@ -617,30 +625,31 @@ def combine_verified(result: DkgResult, posts: Mapping[int, Sequence[Signed[Beac
     return combine(good, quorum), sorted(good)
 
 
-_BEACONS: dict[tuple[str, str, int, str, str], bytes] = {}
+_BEACONS: dict[tuple[str, str, int, str, str, str], bytes] = {}
 
 
 def verify_threshold_beacon(group_key: str, run_id: str, round_index: int, fixed: Any, *,
-                            sealed: str) -> bytes:
+                            sealed: str, participants: str) -> bytes:
     """The seed of a fixed threshold beacon ``{"signature": hex, ...}`` for a party that
     does not take the ledger's word: the signature must verify under the run's group key
-    over ``threshold_beacon_root(run, r, sealed)`` with ``sealed`` the digest of the list
-    this party was served (one pairing check, cached per process). Who signed does not
-    matter: the signature is unique. RejectedInput ``invalid_beacon`` otherwise."""
+    over ``threshold_beacon_root(run, r, sealed, participants)`` with ``sealed`` the
+    digest of the list this party was served and ``participants`` the digest of the
+    participant view it holds (one pairing check, cached per process). Who signed does
+    not matter: the signature is unique. RejectedInput ``invalid_beacon`` otherwise."""
     sig = fixed.get("signature") if isinstance(fixed, dict) else None
     if not isinstance(sig, str):
         raise RejectedInput("the fixed beacon carries no group signature", "invalid_beacon")
-    key = (group_key, run_id, round_index, sealed, sig)
+    key = (group_key, run_id, round_index, sealed, participants, sig)
     if (seed := _BEACONS.get(key)) is not None:
         return seed
     try:
         raw = bytes.fromhex(sig)
     except ValueError:
         raise RejectedInput("the beacon's group signature is not hex", "invalid_beacon") from None
-    if not verify_group_signature(group_key, threshold_beacon_root(run_id, round_index, sealed),
-                                  raw):
-        raise RejectedInput("the beacon is not the group's signature over this run, round "
-                            "and sealed list", "invalid_beacon")
+    if not verify_group_signature(
+            group_key, threshold_beacon_root(run_id, round_index, sealed, participants), raw):
+        raise RejectedInput("the beacon is not the group's signature over this run, round, "
+                            "sealed list and participant view", "invalid_beacon")
     if len(_BEACONS) >= 1024:
         _BEACONS.clear()
     seed = _BEACONS[key] = threshold_seed(raw)

@@ -627,8 +627,9 @@ class RoundResult(Message):
 @dataclass(frozen=True)
 class BeaconShare(Message):
     """A validator's BLS signature over the round's beacon root, sent after the round closed,
-    with the digest of the sealed list it saw (``sealed_list_digest``): the validator's
-    signed word that the list was fixed before anyone could know the seed."""
+    with the digest of the sealed list it saw (``sealed_list_digest``) and of the participant
+    view it judges that list against (``participants_digest``): the validator's signed word
+    that both were fixed before anyone could know the seed."""
 
     KIND: ClassVar[str] = "beacon_share"
     run_id: str
@@ -636,6 +637,7 @@ class BeaconShare(Message):
     validator: str
     share: str
     sealed: str
+    participants: str
 
     SCHEMA: ClassVar[dict[str, f.Checker]] = {
         "run_id": f.string(64, RUN_ID_PATTERN),
@@ -643,6 +645,7 @@ class BeaconShare(Message):
         "validator": f.PUBKEY,
         "share": f.BLS_SIGNATURE,
         "sealed": f.HASH,
+        "participants": f.HASH,
     }
 
 

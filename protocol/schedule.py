@@ -12,7 +12,7 @@ The ledger feeds it the time and the counts and persists what it returns.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -76,4 +76,38 @@ def void_reason(*, closed_at: float, now: float, certify_seconds: float,
                 f"no {quorum} of them can agree")
     if now >= closed_at + certify_seconds:
         return f"timeout: no certificate {certify_seconds:g} s after the round closed"
+    return None
+
+
+def close_problem(*, opened_at: float, deadline: float, extensions: int,
+                  closed_at: float | None, round_seconds: float, min_submissions: int,
+                  sealed: Collection[str], active_at_close: Collection[str],
+                  seen_closed_at: float, slack: float) -> str | None:
+    """Why a party should not take a round's close as the schedule's, or None.
+
+    ``next_action`` closes a round at its deadline, at least ``opened_at + round_seconds``
+    and ``round_seconds`` more per extension, or before it only once every active worker
+    is in with at least ``min_submissions`` (``sealed``: the workers of the sealed list;
+    ``active_at_close``: registered, unbanned workers registered before ``closed_at``).
+    The close time itself is checked against the party's own clock: it saw the round
+    closed at ``seen_closed_at``, so a ``closed_at`` later than that by more than
+    ``slack`` (clock skew allowed) is a close stamped after it happened, as a ledger that
+    sealed early and claims the deadline would stamp it."""
+    if closed_at is None:
+        return "the round is closed but has no close time"
+    if deadline < opened_at + round_seconds * (1 + extensions) - 1e-6:
+        return (f"deadline {deadline:.3f} is earlier than opened_at + round_seconds x "
+                f"{1 + extensions} ({opened_at + round_seconds * (1 + extensions):.3f})")
+    if seen_closed_at + slack < closed_at:
+        return (f"seen closed at {seen_closed_at:.3f} by this party's clock, "
+                f"{closed_at - seen_closed_at:.1f} s before the close time the ledger "
+                f"states ({closed_at:.3f})")
+    if closed_at < deadline:
+        missing = set(active_at_close) - set(sealed)
+        if missing:
+            return (f"closed {deadline - closed_at:.1f} s before its deadline without "
+                    f"{len(missing)} active worker(s) in, e.g. {sorted(missing)[0][:12]}")
+        if len(set(sealed)) < min_submissions:
+            return (f"closed before its deadline with {len(set(sealed))} submissions, "
+                    f"{min_submissions} needed")
     return None

@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 from fakes import FakeRun
 from veritrain.ledger.server import LEDGER, LedgerConfig, make_app
-from veritrain.protocol.beacon import beacon_root, sealed_list_digest_of
+from veritrain.protocol.beacon import EVERY_WORKER_ADMITTED, beacon_root, sealed_list_digest_of
 from veritrain.protocol.encoding import encode_canonical
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import BeaconShare, CertifiedState, RoundResult, digest_of, sign
@@ -189,7 +189,8 @@ async def post_share(api: Api, run: FakeRun, v: Identity, r: int) -> dict:
     sealed = sealed_list_digest_of(
         (await api.get(f"/v1/runs/{run.spec.run_id}/rounds/{r}/submissions"))[1]["submissions"])
     share = BeaconShare(run_id=run.spec.run_id, round=r, validator=v.public_key.hex(),
-                        share=v.sign_bls(beacon_root(run.spec.run_id, r)).hex(), sealed=sealed)
+                        share=v.sign_bls(beacon_root(run.spec.run_id, r)).hex(), sealed=sealed,
+                        participants=EVERY_WORKER_ADMITTED)
     status, body = await api.post_json(f"/v1/runs/{run.spec.run_id}/rounds/{r}/beacon",
                                        sign(v, share).to_wire())
     assert status == 200, body

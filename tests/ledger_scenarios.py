@@ -63,7 +63,7 @@ def finalize_round(store: LedgerStore, run: FakeRun, r: int, base: str,
     """Post beacon shares and a quorum of identical results for closed round ``r``."""
     spec = run.spec
     sealed = sealed_list_digest([hashlib.sha256(e).hexdigest()
-                                 for e in store.sealed_submissions(spec.run_id, r)])
+                                 for e in store.sealed_submissions(spec.run_id, r)[0]])
     for v in run.validators[: spec.quorum]:
         store.post_beacon_share(beacon_share(run, v, r, sealed))
     with store.sessions() as s:

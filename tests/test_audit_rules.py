@@ -23,7 +23,7 @@ from veritrain.ledger.audit_rules import (
     RoundState,
 )
 from veritrain.ledger.chain import ChainRow
-from veritrain.protocol.beacon import compute_beacon_seed, sealed_list_digest
+from veritrain.protocol.beacon import EVERY_WORKER_ADMITTED, compute_beacon_seed, sealed_list_digest
 from veritrain.protocol.messages import (
     BeaconShare,
     CertifiedState,
@@ -238,7 +238,7 @@ def test_beacon_shares_after_the_close_then_a_quorum_of_them_fixes_the_seed():
     state = state_with(closed_round())
     for k in (1, 0, 2):
         share = BeaconShare(run_id=RUN, round=0, validator=VALIDATORS[k], share=SHARES[k],
-                            sealed=sealed_list_digest(SUBS))
+                            sealed=sealed_list_digest(SUBS), participants=EVERY_WORKER_ADMITTED)
         assert rules.process_beacon_share(state, 20 + k, share, VALIDATORS[k]) == k
     rules.process_beacon_fixed(state, 30, {"round": 0, "signers": [0, 1],
                                            "shares": SHARES[:2]})
@@ -258,7 +258,7 @@ def test_beacon_shares_after_the_close_then_a_quorum_of_them_fixes_the_seed():
 ])
 def test_invalid_beacon_share(rnd, signer, sealed, problem):
     share = BeaconShare(run_id=RUN, round=0, validator=VALIDATORS[0], share=SHARES[0],
-                        sealed=sealed)
+                        sealed=sealed, participants=EVERY_WORKER_ADMITTED)
     state = state_with(rnd)
     raises(problem, rules.process_beacon_share, state, 20, share, signer)
     assert state.rounds[0].shares == {}
@@ -300,7 +300,7 @@ def certified_result(r: int = 0, *, validator: int = 0, rewards: tuple[float, ..
     base = GENESIS if r == 0 else f"{r:02x}" * 32
     view = ResultView(RUN, r, VALIDATORS[validator], base, SEED, verdicts, scores, cert.to_body())
     facts = ResultFacts(digest_of(verdicts), digest_of(scores), sorted(SUBS), {SPOT_FAILED},
-                        dict(zip(WORKERS, SUBS, strict=True)), {})
+                        dict(zip(WORKERS, SUBS, strict=True)), {}, set())
     return view, facts
 
 
@@ -817,6 +817,33 @@ def test_invalid_checks_named_by_the_certificate():
     with pytest.raises(BadEarlier) as info:
         _finalize_with(rnd)
     assert (info.value.index, info.value.kind) == (30, "challenges_fixed")
+
+
+@pytest.mark.parametrize("chained", [False, True])
+def test_a_missing_reveal_verdict_for_a_reveal_the_chain_holds_names_the_ledger(chained):
+    """A reveal row is chained only with the ledger's receipt by the deadline, so a worker
+    certified ``missing_reveal`` whose reveal the chain holds had it withheld from the
+    validators by the ledger (issue #28: a censored reveal is named by the audit)."""
+    reveals = {w: (40 + k, d) for k, (w, d) in enumerate(zip(WORKERS, SUBS, strict=True))}
+    if not chained:
+        del reveals[SPOT_FAILED]
+    rnd = beaconed_round(challenges=drawn_checks(), challenges_row=30, reveal_deadline=9.0,
+                         reveals=reveals)
+    view, facts = certified_result()
+    view = dataclasses.replace(view, verdicts=[
+        v | {"reason": "missing_reveal"} if v["worker"] == SPOT_FAILED else v
+        for v in view.verdicts])
+    facts = dataclasses.replace(facts, missing_reveal={SPOT_FAILED})
+    state = state_with(rnd, spec=checks_spec())
+    rnd.results.append(RecordedResult(50, view, facts))
+    if chained:
+        raises(f"certified missing_reveal for {SPOT_FAILED[:12]}, whose reveal the chain "
+               "holds at row 43 with a receipt by the deadline: the ledger withheld it from "
+               "the validators", rules.process_round_finalized, state, 60,
+               finalized_body(view))
+    else:
+        rules.process_round_finalized(state, 60, finalized_body(view))
+        assert rnd.certified is not None
 
 
 def test_invalid_reveal_of_another_workers_submission_named_by_the_certificate():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from fakes import validator_identities
 from veritrain.protocol.beacon import (
+    EVERY_WORKER_ADMITTED,
     beacon_root,
     compute_beacon_seed,
     sealed_list_digest,
@@ -24,12 +25,14 @@ def fixed(signers: list[int], *, round_index: int = ROUND, sealed: str = SEALED
     shares = [VALIDATORS[k].sign_bls(beacon_root(RUN, round_index)).hex() for k in signers]
     envelopes = [sign(VALIDATORS[k], BeaconShare(
         run_id=RUN, round=round_index, validator=VALIDATORS[k].public_key.hex(), share=x,
-        sealed=sealed)).to_wire() for k, x in zip(signers, shares, strict=True)]
+        sealed=sealed, participants=EVERY_WORKER_ADMITTED)).to_wire()
+        for k, x in zip(signers, shares, strict=True)]
     return {"signers": signers, "shares": shares}, envelopes
 
 
 def check(beacon: object, envelopes: object) -> bytes:
     return verify_fixed_beacon(KEYS, 2, RUN, ROUND, beacon, sealed=SEALED,  # type: ignore[arg-type]
+                               participants=EVERY_WORKER_ADMITTED,
                                envelopes=envelopes)  # type: ignore[arg-type]
 
 

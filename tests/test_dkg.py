@@ -11,6 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from veritrain.protocol import bls, dkg
+from veritrain.protocol.beacon import EVERY_WORKER_ADMITTED
 from veritrain.protocol.board import members_posts
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import sign
@@ -73,14 +74,15 @@ def honest(n: int, q: int):
 @functools.cache
 def partials(n: int, q: int, r: int) -> dict[int, bytes]:
     _, _, shares = honest(n, q)
-    m = dkg.threshold_beacon_root(RUN, r, SEALED)
+    m = dkg.threshold_beacon_root(RUN, r, SEALED, EVERY_WORKER_ADMITTED)
     return {j: dkg.partial_sign(x, m) for j, x in enumerate(shares)}
 
 
 @functools.cache
 def group_verifies(n: int, q: int, r: int, sig: bytes) -> bool:
     return dkg.verify_group_signature(honest(n, q)[1].group_key,
-                                      dkg.threshold_beacon_root(RUN, r, SEALED), sig)
+                                      dkg.threshold_beacon_root(
+                                          RUN, r, SEALED, EVERY_WORKER_ADMITTED), sig)
 
 
 def test_shares_match_public_shares_and_group_key():
@@ -124,14 +126,14 @@ def test_seeds_differ_by_round_and_sealed_list():
     _, _, shares = honest(3, 2)
     sigs = set()
     for r, sealed in ((0, SEALED), (1, SEALED), (0, "cd" * 32)):
-        m = dkg.threshold_beacon_root(RUN, r, sealed)
+        m = dkg.threshold_beacon_root(RUN, r, sealed, EVERY_WORKER_ADMITTED)
         sigs.add(dkg.combine({j: dkg.partial_sign(shares[j], m) for j in (0, 1)}, 2))
     assert len(sigs) == 3
 
 
 def test_a_partial_from_a_wrong_share_is_refused():
     _, q_, shares = honest(3, 2)
-    m = dkg.threshold_beacon_root(RUN, 0, SEALED)
+    m = dkg.threshold_beacon_root(RUN, 0, SEALED, EVERY_WORKER_ADMITTED)
     good = partials(3, 2, 0)[1]
     forged = dkg.partial_sign((shares[1] + 1) % dkg.R, m)
     assert dkg.partial_verifies(q_.public_shares[1], m, good)

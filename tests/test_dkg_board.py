@@ -14,6 +14,7 @@ import pytest
 from fakes import validator_identities
 from veritrain.ledger.dkg import DkgBoard
 from veritrain.protocol import bls, dkg
+from veritrain.protocol.beacon import EVERY_WORKER_ADMITTED as VIEW
 from veritrain.protocol.board import BoardFault, SignedOnce
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
@@ -89,7 +90,7 @@ def honest() -> tuple[list[DkgNode], DkgBoard]:
 @pytest.fixture(scope="module")
 def partials(honest) -> list[dict[str, Any]]:
     nodes, _ = honest
-    return [node.partial_post(R, SEALED) for node in nodes]
+    return [node.partial_post(R, SEALED, VIEW) for node in nodes]
 
 
 def test_the_dkg_over_the_board_agrees_on_one_group_key(honest):
@@ -101,45 +102,46 @@ def test_the_dkg_over_the_board_agrees_on_one_group_key(honest):
 
 def test_a_ledger_choosing_among_quorums_cannot_change_the_seed(honest, partials):
     nodes, board = honest
-    seeds = {beacon_seed_from_partials(board.result, SPEC, R, SEALED,
+    seeds = {beacon_seed_from_partials(board.result, SPEC, R, SEALED, VIEW,
                                        [partials[j] for j in chosen])
              for chosen in ((0, 1, 2), (1, 2, 3), (0, 2, 3), (3, 1, 0))}
     assert len(seeds) == 1
     fixed = None
     for wire in partials[::-1]:  # the ledger fixes whichever quorum arrives first
-        fixed = board.post_partial(wire, sealed=SEALED) or fixed
+        fixed = board.post_partial(wire, sealed=SEALED, participants=VIEW) or fixed
     assert fixed is not None and fixed["signers"] == [1, 2, 3]
     # a worker checks the fixed beacon against the group key alone, not who signed it
     assert dkg.verify_threshold_beacon(board.result.group_key, RUN, R, fixed,
-                                       sealed=SEALED) in seeds
+                                       sealed=SEALED, participants=VIEW) in seeds
 
 
 def test_a_forged_partial_is_refused_and_does_not_block_the_round(honest, partials):
     nodes, board = honest
     wrong = dkg.BeaconPartial(run_id=RUN, round=R, validator=nodes[0].me, sealed=SEALED,
-                              partial=dkg.partial_sign(12345, dkg.threshold_beacon_root(
-                                  RUN, R, SEALED)).hex())
+                              participants=VIEW, partial=dkg.partial_sign(
+                                  12345, dkg.threshold_beacon_root(RUN, R, SEALED, VIEW)).hex())
     by_ledger = sign(LEDGER, wrong).to_wire()  # under validator 0's name, the ledger's key
     by_validator = sign(VALIDATORS[0], wrong).to_wire()  # validator 0's own, wrong share
-    other_list = nodes[0].partial_post(R + 1, OTHER)  # a genuine partial of another list
+    other_list = nodes[0].partial_post(R + 1, OTHER, VIEW)  # a genuine partial of another list
     faults: list[str] = []
-    seed = beacon_seed_from_partials(board.result, SPEC, R, SEALED,
+    seed = beacon_seed_from_partials(board.result, SPEC, R, SEALED, VIEW,
                                      [by_ledger, by_validator, other_list] + partials[1:],
                                      faults)
-    assert seed == beacon_seed_from_partials(board.result, SPEC, R, SEALED, partials[:3])
+    assert seed == beacon_seed_from_partials(board.result, SPEC, R, SEALED, VIEW, partials[:3])
     assert any("signed by" in x for x in faults)
     assert any("does not verify against its public key share" in x for x in faults)
     assert any("round 6" in x for x in faults)
     fresh = DkgBoard(SPEC)
     fresh.result = board.result
     with pytest.raises(dkg.DkgFault, match="public key share") as info:
-        fresh.post_partial(by_validator, sealed=SEALED)
+        fresh.post_partial(by_validator, sealed=SEALED, participants=VIEW)
     assert info.value.reason == "dkg_fault"
     with pytest.raises(BoardFault, match="signed by"):
-        fresh.post_partial(by_ledger, sealed=SEALED)
+        fresh.post_partial(by_ledger, sealed=SEALED, participants=VIEW)
     with pytest.raises(BoardFault, match="sealed"):
-        fresh.post_partial(partials[1], sealed=OTHER)
-    assert [fresh.post_partial(w, sealed=SEALED) for w in partials[1:]][-1] is not None
+        fresh.post_partial(partials[1], sealed=OTHER, participants=VIEW)
+    assert [fresh.post_partial(w, sealed=SEALED, participants=VIEW)
+            for w in partials[1:]][-1] is not None
 
 
 def test_good_partials_cost_one_pairing_check_and_a_bad_one_is_still_named(honest, partials,
@@ -152,13 +154,13 @@ def test_good_partials_cost_one_pairing_check_and_a_bad_one_is_still_named(hones
     real = dkg.partial_verifies
     monkeypatch.setattr(dkg, "partial_verifies",
                         lambda *a: checked.append(1) or real(*a))
-    seed = beacon_seed_from_partials(board.result, SPEC, R, SEALED, partials)
+    seed = beacon_seed_from_partials(board.result, SPEC, R, SEALED, VIEW, partials)
     assert checked == []
     wrong = dkg.BeaconPartial(run_id=RUN, round=R, validator=VALIDATORS[1].public_key.hex(),
-                              sealed=SEALED, partial=dkg.partial_sign(
-                                  7, dkg.threshold_beacon_root(RUN, R, SEALED)).hex())
+                              sealed=SEALED, participants=VIEW, partial=dkg.partial_sign(
+                                  7, dkg.threshold_beacon_root(RUN, R, SEALED, VIEW)).hex())
     faults: list[str] = []
-    again = beacon_seed_from_partials(board.result, SPEC, R, SEALED,
+    again = beacon_seed_from_partials(board.result, SPEC, R, SEALED, VIEW,
                                       [partials[0], sign(VALIDATORS[1], wrong).to_wire(),
                                        *partials[2:]], faults)
     assert again == seed and checked  # fell back to the per-partial checks
@@ -175,21 +177,21 @@ def test_a_seed_not_from_the_group_signature_is_named(honest, partials):
         QUORUM).hex()}
     for fixed in (one_share, other_list, {"signers": [0, 1, 2], "shares": []}, {}):
         with pytest.raises(RejectedInput) as info:
-            dkg.verify_threshold_beacon(key, RUN, R, fixed, sealed=SEALED)
+            dkg.verify_threshold_beacon(key, RUN, R, fixed, sealed=SEALED, participants=VIEW)
         assert info.value.reason == "invalid_beacon"
 
 
 def partial_of(honest, j: int, sealed: str) -> str:
     nodes, _ = honest
-    return dkg.partial_sign(nodes[j].share, dkg.threshold_beacon_root(RUN, R, sealed)).hex()
+    return dkg.partial_sign(nodes[j].share, dkg.threshold_beacon_root(RUN, R, sealed, VIEW)).hex()
 
 
 def test_a_partial_is_signed_once_per_round(honest):
     nodes, _ = honest
     node = nodes[2]
-    node.partial_post(R + 7, SEALED)
+    node.partial_post(R + 7, SEALED, VIEW)
     with pytest.raises(BoardFault, match="already signed"):
-        node.partial_post(R + 7, OTHER)
+        node.partial_post(R + 7, OTHER, VIEW)
 
 
 def test_a_dealer_with_a_bad_share_is_disqualified_and_the_dkg_completes():
@@ -197,9 +199,9 @@ def test_a_dealer_with_a_bad_share_is_disqualified_and_the_dkg_completes():
     assert board.result.qualified == [0, 1, 2]
     assert "did not answer" in nodes[0].qualification.disqualified[3]
     assert all(n.share is not None for n in nodes)
-    parts = [n.partial_post(R, SEALED) for n in nodes]
-    a = beacon_seed_from_partials(board.result, SPEC, R, SEALED, parts[:3])
-    b = beacon_seed_from_partials(board.result, SPEC, R, SEALED, parts[1:])
+    parts = [n.partial_post(R, SEALED, VIEW) for n in nodes]
+    a = beacon_seed_from_partials(board.result, SPEC, R, SEALED, VIEW, parts[:3])
+    b = beacon_seed_from_partials(board.result, SPEC, R, SEALED, VIEW, parts[1:])
     assert a == b
 
 

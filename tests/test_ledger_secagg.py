@@ -29,6 +29,7 @@ from veritrain.ledger import schema as t
 from veritrain.ledger.audit import fetch_events, verify_events
 from veritrain.ledger.client import LedgerClient
 from veritrain.protocol.beacon import (
+    EVERY_WORKER_ADMITTED,
     beacon_root,
     beacon_seed_of,
     compute_beacon_seed,
@@ -202,7 +203,8 @@ async def post_beacon(api: Api, run: FakeRun, v: Identity) -> tuple[int, Any]:
     sealed = sealed_list_digest_of(
         (await api.get(f"/v1/runs/{run.spec.run_id}/rounds/0/submissions"))[1]["submissions"])
     share = BeaconShare(run_id=run.spec.run_id, round=0, validator=pk(v),
-                        share=v.sign_bls(beacon_root(run.spec.run_id, 0)).hex(), sealed=sealed)
+                        share=v.sign_bls(beacon_root(run.spec.run_id, 0)).hex(), sealed=sealed,
+                        participants=EVERY_WORKER_ADMITTED)
     return await api.post_json(f"/v1/runs/{run.spec.run_id}/rounds/0/beacon",
                                sign(v, share).to_wire())
 
@@ -647,7 +649,7 @@ def test_deadlines_close_phases_and_drop_buckets_that_cannot_finish(tmp_path, le
         with store.sessions() as s:
             seed = beacon_seed_of(s.get(t.Round, (RUN, 0)).beacon)
         subs = {}
-        for envelope in store.sealed_submissions(RUN, 0):
+        for envelope in store.sealed_submissions(RUN, 0)[0]:
             signed = open_signed(decode_canonical(envelope), Submission)
             subs[signed.message.worker] = signed.digest
         results, blobs = build_results(run, 0, run.spec.genesis_model_hash, seed, subs,

@@ -23,6 +23,7 @@ from veritrain.ledger.client import LedgerClient
 from veritrain.ledger.store import LedgerStore
 from veritrain.protocol import bls
 from veritrain.protocol.beacon import (
+    EVERY_WORKER_ADMITTED,
     beacon_root,
     beacon_seed_of,
     compute_beacon_seed,
@@ -91,7 +92,8 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypat
             (await api.get(f"/v1/runs/{RUN}/rounds/0/submissions"))[1]["submissions"])
         for v in (v0, v1):
             share = BeaconShare(run_id=RUN, round=0, validator=v.public_key.hex(),
-                                share=v.sign_bls(beacon_root(RUN, 0)).hex(), sealed=sealed)
+                                share=v.sign_bls(beacon_root(RUN, 0)).hex(), sealed=sealed,
+                                participants=EVERY_WORKER_ADMITTED)
             beacon = (await api.post_json(f"/v1/runs/{RUN}/rounds/0/beacon",
                                           sign(v, share).to_wire()))[1]["beacon"]
         pub0 = _publication(v0, 0, b"a")
@@ -221,7 +223,8 @@ def test_replayed_shard_posts_cost_no_bls_and_spend_no_validators_budget(tmp_pat
             (await api.get(f"/v1/runs/{RUN}/rounds/0/submissions"))[1]["submissions"])
         for v in (v0, v1):  # v1's first write
             share = BeaconShare(run_id=RUN, round=0, validator=v.public_key.hex(),
-                                share=v.sign_bls(beacon_root(RUN, 0)).hex(), sealed=sealed)
+                                share=v.sign_bls(beacon_root(RUN, 0)).hex(), sealed=sealed,
+                                participants=EVERY_WORKER_ADMITTED)
             await api.post_json(f"/v1/runs/{RUN}/rounds/0/beacon", sign(v, share).to_wire())
         pub0 = _publication(v0, 0, b"a")
         assert (await api.post_parts(base, [("publication", sign(v0, pub0).encode()),

@@ -18,7 +18,7 @@ from test_validator_http import honest, submit_all, synthetic_settings
 from veritrain.ledger.audit import fetch_events, verify_events
 from veritrain.ledger.client import LedgerClient, last_certified_model
 from veritrain.protocol import dkg
-from veritrain.protocol.beacon import beacon_seed_of, sealed_list_digest_of
+from veritrain.protocol.beacon import EVERY_WORKER_ADMITTED, beacon_seed_of, sealed_list_digest_of
 from veritrain.protocol.encoding import decode_canonical
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
@@ -96,9 +96,10 @@ def test_threshold_beacon_round_over_http(tmp_path):
             digest = sealed_list_digest_of(sealed)
             # A partial under a wrong share, properly signed by validator 0: refused with
             # its reason, nothing stored.
-            root = dkg.threshold_beacon_root(RUN, 0, digest)
+            root = dkg.threshold_beacon_root(RUN, 0, digest, EVERY_WORKER_ADMITTED)
             forged = dkg.BeaconPartial(
                 run_id=RUN, round=0, validator=validators[0].public_key.hex(), sealed=digest,
+                participants=EVERY_WORKER_ADMITTED,
                 partial=dkg.partial_sign((nodes[0].dkg_node.share + 1) % dkg.R, root).hex())
             status, body = await api.post_json(f"/v1/runs/{RUN}/rounds/0/partials",
                                                sign(validators[0], forged).to_wire())
@@ -141,7 +142,8 @@ def test_threshold_beacon_round_over_http(tmp_path):
         sig = dkg.combine({j: got[j] for j in pair}, 2)
         assert sig.hex() == fixed["signature"]
         assert dkg.verify_group_signature(group.group_key, dkg.threshold_beacon_root(
-            RUN, 0, partials["partials"][0]["body"]["sealed"]), sig)
+            RUN, 0, partials["partials"][0]["body"]["sealed"],
+            partials["partials"][0]["body"]["participants"]), sig)
     assert summary["status"] == "finalized", summary
     assert {r["body"]["beacon_seed"] for r in results["results"]} == {seeds[0].hex()}
     assert audit.ok, audit.problem

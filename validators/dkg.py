@@ -167,32 +167,37 @@ class DkgNode:
         return node
 
     # every round
-    def partial_post(self, round_index: int, sealed: str) -> dict[str, Any] | None:
-        """This validator's partial signature over (run, r, sealed), signed once per round;
-        None when it holds no share."""
+    def partial_post(self, round_index: int, sealed: str, participants: str
+                     ) -> dict[str, Any] | None:
+        """This validator's partial signature over (run, r, sealed list, participant view),
+        signed once per round; None when it holds no share."""
         if self.share is None:
             return None
-        root = dkg.threshold_beacon_root(self.spec.run_id, round_index, sealed)
+        root = dkg.threshold_beacon_root(self.spec.run_id, round_index, sealed, participants)
         msg = dkg.BeaconPartial(run_id=self.spec.run_id, round=round_index, validator=self.me,
-                                sealed=sealed, partial=dkg.partial_sign(self.share, root).hex())
-        self.once.claim("beacon_partial", self.spec.run_id, round_index, sealed)
+                                sealed=sealed, participants=participants,
+                                partial=dkg.partial_sign(self.share, root).hex())
+        self.once.claim("beacon_partial", self.spec.run_id, round_index, root.hex())
         return self._sign(msg)
 
 
 def beacon_seed_from_partials(result: dkg.DkgResult, spec: RunSpec, round_index: int,
-                              sealed: str, served_partials: Sequence[Any],
+                              sealed: str, participants: str, served_partials: Sequence[Any],
                               faults: list[str] | None = None) -> bytes:
     """A validator's own beacon for round r from the partials the board served: each
-    opened and bound to its member and to ``sealed``, checked against its public share, a
-    quorum combined and the result checked against the group key. Returns the seed."""
+    opened and bound to its member, to ``sealed`` and to ``participants``, checked against
+    its public share, a quorum combined and the result checked against the group key.
+    Returns the seed."""
     members = [v["ed25519"] for v in spec.validators]
     posts = members_posts(served_partials, dkg.BeaconPartial, member_field="validator",
                           members=members, run_id=spec.run_id, round_index=round_index,
-                          faults=faults, sealed=sealed)
+                          faults=faults, sealed=sealed, participants=participants)
     sig, _ = dkg.combine_verified(result, posts, run_id=spec.run_id, round_index=round_index,
-                                  sealed=sealed, quorum=spec.quorum, faults=faults)
+                                  sealed=sealed, participants=participants, quorum=spec.quorum,
+                                  faults=faults)
     return dkg.verify_threshold_beacon(result.group_key, spec.run_id, round_index,
-                                       {"signature": sig.hex()}, sealed=sealed)
+                                       {"signature": sig.hex()}, sealed=sealed,
+                                       participants=participants)
 
 
 # --- the secret share on disk ----------------------------------------------------------

@@ -32,12 +32,13 @@ from veritrain.ledger.client import (
     LedgerRefused,
     LedgerUnavailable,
     fetch_base_files,
-    fetch_participants,
     fetch_run,
 )
 from veritrain.protocol import dkg
 from veritrain.protocol.beacon import (
     beacon_root,
+    participant_exclusions,
+    participants_digest,
     sealed_list_digest_of,
     verify_fixed_beacon,
 )
@@ -49,7 +50,6 @@ from veritrain.protocol.memory import release_free_memory
 from veritrain.protocol.messages import (
     BeaconShare,
     CertifiedState,
-    Registration,
     RevealReceipt,
     RoundResult,
     RunSpec,
@@ -74,7 +74,7 @@ from .dkg import (
     share_path,
 )
 from .masked import filter_masked_round, words_of
-from .membership import admitted_workers
+from .membership import check_close, fetch_participant_view
 from .round import (
     BlobFiles,
     FilteredRound,
@@ -100,6 +100,10 @@ class ValidatorConfig:
     device: str = "cpu"
     poll_seconds: float = 0.5
     retry_for: float = 300.0
+    #: How far this node's clock may be from the ledger's: a round the node saw closed
+    #: more than this before the close time the ledger states was sealed early, and gets
+    #: no beacon share (protocol/schedule.py ``close_problem``).
+    clock_slack_seconds: float = 30.0
     #: Sharded runs: seconds to wait for the other validators' shard results
     #: before signing off the list without them (they are then recomputed).
     shard_wait: float = 120.0
@@ -220,7 +224,7 @@ class ValidatorNode:
                 except RejectedInput as exc:
                     # Bad input from the ledger or a peer: recorded, never a reason to stop.
                     self.fault(r, exc.reason, str(exc), refused, final=exc.reason in (
-                        "invalid_board", "invalid_beacon", "board_fault"))
+                        "invalid_board", "invalid_beacon", "board_fault", "early_close"))
                     continue
                 except LedgerUnavailable as exc:
                     log.warning("round %d: %s; trying again", r, exc)
@@ -252,20 +256,28 @@ class ValidatorNode:
             "faults": self.faults}))
 
     async def beacon_seed(self, client: LedgerClient, spec: RunSpec, r: int,
-                          sealed: list[Any] | None = None) -> bytes:
-        """Post this validator's share, wait for the fixed beacon and check it against the
-        run's validator keys (the spec this node started with, not one the ledger serves
-        now); ``invalid_beacon`` when it does not verify."""
+                          sealed: list[Any] | None = None,
+                          participants: str | None = None) -> bytes:
+        """Post this validator's share for the sealed list ``sealed`` judged against the
+        participant view digest ``participants`` (both read from the ledger now when not
+        given), wait for the fixed beacon and check it against the run's validator keys
+        (the spec this node started with, not one the ledger serves now);
+        ``invalid_beacon`` when it does not verify."""
         run_id = spec.run_id
         base = f"/v1/runs/{run_id}/rounds/{r}"
         if sealed is None:
             sealed = (await client.get_json(f"{base}/submissions"))["submissions"]
+        if participants is None:
+            view = await fetch_participant_view(client, spec, r)
+            participants = participants_digest(participant_exclusions(
+                [open_signed(w, Submission).message.worker for w in sealed],
+                view.registered, view.banned))
         digest = sealed_list_digest_of(sealed)
         if spec.threshold_beacon:
-            return await self.threshold_beacon_seed(client, spec, r, digest)
+            return await self.threshold_beacon_seed(client, spec, r, digest, participants)
         share = BeaconShare(run_id=run_id, round=r, validator=self.me,
                             share=self.identity.sign_bls(beacon_root(run_id, r)).hex(),
-                            sealed=digest)
+                            sealed=digest, participants=participants)
         reply = await client.post_message(f"{base}/beacon", sign(self.identity, share).to_wire())
         while reply["beacon"] is None:
             await asyncio.sleep(self.config.poll_seconds)
@@ -274,7 +286,7 @@ class ValidatorNode:
         try:
             return await asyncio.to_thread(
                 functools.partial(verify_fixed_beacon, spec.validators, spec.quorum, run_id, r,
-                                  reply["beacon"], sealed=digest,
+                                  reply["beacon"], sealed=digest, participants=participants,
                                   envelopes=reply.get("envelopes")))
         except RejectedInput as exc:
             raise RejectedInput(f"the ledger's beacon does not verify: {exc}",
@@ -390,15 +402,17 @@ class ValidatorNode:
                                              signed_once=self.signed_once)
 
     async def threshold_beacon_seed(self, client: LedgerClient, spec: RunSpec, r: int,
-                                    sealed: str) -> bytes:
+                                    sealed: str, participants: str) -> bytes:
         """Post this validator's partial (if it holds a share), wait for the fixed beacon
         and check it against the group key a quorum of validators signed, for the sealed
-        list this node was served (5.4a); ``invalid_beacon`` when it does not verify."""
+        list this node was served and the participant view it holds (5.4a);
+        ``invalid_beacon`` when it does not verify."""
         base = f"/v1/runs/{spec.run_id}/rounds/{r}"
         if self.dkg_result is None:
             await self.run_dkg(client, spec)
         assert self.dkg_result is not None
-        wire = self.dkg_node.partial_post(r, sealed) if self.dkg_node is not None else None
+        wire = (self.dkg_node.partial_post(r, sealed, participants)
+                if self.dkg_node is not None else None)
         if wire is not None:
             reply = await client.post_message(f"{base}/partials", wire)
         else:
@@ -409,7 +423,8 @@ class ValidatorNode:
         try:
             return await asyncio.to_thread(
                 functools.partial(dkg.verify_threshold_beacon, self.dkg_result.group_key,
-                                  spec.run_id, r, reply["beacon"], sealed=sealed))
+                                  spec.run_id, r, reply["beacon"], sealed=sealed,
+                                  participants=participants))
         except RejectedInput as exc:
             raise RejectedInput(f"the ledger's beacon does not verify: {exc}",
                                 "invalid_beacon") from exc
@@ -507,18 +522,24 @@ class ValidatorNode:
         del outer_file
         # One sealed list for the share, the candidates and the buckets: the one signed.
         sealed = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/submissions")
-        seed = await self.beacon_seed(client, spec, r, sealed["submissions"])
-        registered, banned = set(), set()
-        for p in await fetch_participants(client, spec.run_id):  # every page
+        view = await fetch_participant_view(client, spec, r)
+        registered, banned = view.registered, view.banned
+        sealed_workers = []
+        for wire in sealed["submissions"]:
             try:
-                reg = open_signed(p["registration"], Registration).message
+                sealed_workers.append(open_signed(wire, Submission).message.worker)
             except RejectedInput:
-                continue
-            registered.add(reg.participant)
-            if p["banned_until_round"] >= r:
-                banned.add(reg.participant)
-        # Only the keys the chain admits count, whatever the list says (membership.py).
-        registered = await admitted_workers(client, spec, r, registered)
+                continue  # named below, where the candidates are built
+        close_problem = check_close(view, info, sealed_workers, seen_closed_at=time.time(),
+                                    min_submissions=spec.schedule["min_submissions"],
+                                    round_seconds=spec.schedule["round_seconds"],
+                                    slack=self.config.clock_slack_seconds)
+        if close_problem is not None:  # no share for a list the ledger sealed early
+            raise RejectedInput(f"round {r} was not closed as the schedule says: "
+                                f"{close_problem}", "early_close")
+        participants = participants_digest(
+            participant_exclusions(sealed_workers, registered, banned))
+        seed = await self.beacon_seed(client, spec, r, sealed["submissions"], participants)
         candidates = []
         payloads = BlobFiles(scratch / "payloads")  # by submission digest, read when checked
         for wire in sealed["submissions"]:

@@ -13,7 +13,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from veritrain.protocol.beacon import beacon_root
+from veritrain.protocol.beacon import EVERY_WORKER_ADMITTED, beacon_root
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import (
     BeaconShare,
@@ -96,15 +96,17 @@ def synthetic_submission(run: SyntheticRun, worker: Identity, payload: bytes, *,
     return sign(worker, Submission(**body))
 
 
-def beacon_share(run: SyntheticRun, validator: Identity, r: int, sealed: str
-                 ) -> Signed[BeaconShare]:
+def beacon_share(run: SyntheticRun, validator: Identity, r: int, sealed: str,
+                 participants: str = EVERY_WORKER_ADMITTED) -> Signed[BeaconShare]:
     """``validator``'s share of round ``r``'s beacon, naming the sealed list digest
-    ``sealed`` (``sealed_list_digest`` of the round's submission digests)."""
+    ``sealed`` (``sealed_list_digest`` of the round's submission digests) and the
+    participant view digest ``participants`` (by default: every sealed worker registered
+    and unbanned, as in a synthetic run)."""
     spec = run.spec
     return sign(validator, BeaconShare(run_id=spec.run_id, round=r,
                                        validator=validator.public_key.hex(),
                                        share=validator.sign_bls(beacon_root(spec.run_id, r)).hex(),
-                                       sealed=sealed))
+                                       sealed=sealed, participants=participants))
 
 
 def _verdict(worker: str, digest: str, kind: str) -> dict[str, Any]:

@@ -52,7 +52,6 @@ from veritrain.aggregation.secure import (
     reveal_shares,
 )
 from veritrain.ledger.client import LedgerClient, LedgerRefused
-from veritrain.protocol.beacon import sealed_list_digest_of
 from veritrain.protocol.board import BoardFault, SignedOnce, open_member_post
 from veritrain.protocol.challenges import MIN_UNOPENED, ChallengePolicy, compute_challenges
 from veritrain.protocol.errors import RejectedInput
@@ -80,7 +79,7 @@ from veritrain.protocol.secagg_wire import (
     view_message,
 )
 
-from .beacon import verified_seed
+from .beacon import round_inputs, verified_seed
 
 log = logging.getLogger("veritrain.worker")
 
@@ -353,11 +352,12 @@ class MaskedRound:
         if beacon["beacon"] is None:
             raise RejectedInput("buckets were dealt before the beacon was fixed",
                                 "invalid_board")
-        sealed = (await self.client.get_json(f"{base}/submissions"))["submissions"]
+        reply = await self.client.get_json(f"{base}/submissions")
+        sealed = reply["submissions"]
         # The beacon signs the list its signers saw before the seed existed: the list
         # served here must be that one, so it was not chosen after the seed.
         seed = await verified_seed(self.client, spec, self.r, beacon,
-                                   sealed_list_digest_of(sealed))
+                                   *round_inputs(reply, self.me))
         workers = [open_signed(wire, Submission).message.worker for wire in sealed]
         if self.me not in workers:  # it holds a receipt for its submission
             raise RejectedInput("this worker's sealed submission is missing from the list",

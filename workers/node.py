@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from veritrain.ledger.client import LedgerClient, LedgerRefused, fetch_base_files, fetch_run
-from veritrain.protocol.beacon import sealed_list_digest_of
 from veritrain.protocol.certificates import InvalidCertificate, verify_certificate
 from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.encoding import decode_canonical
@@ -49,7 +48,7 @@ from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import hash_flat
 from veritrain.protocol.training import CommitPool
 
-from .beacon import verified_seed
+from .beacon import round_inputs, verified_seed
 from .evidence import EvidenceMissing, RoundEvidence, default_keep_every, file_sha256
 from .masked import SECAGG_ATTACKS, take_part
 from .round import ATTACKS, prepare_submission
@@ -337,12 +336,12 @@ async def answer_checks(client: LedgerClient, run: RunContext, identity: Identit
         if beacon["beacon"] is None:
             continue
         signed = open_signed(decode_canonical(store.get_bytes("submission")), Submission)
-        sealed = (await client.get_json(f"{base}/submissions"))["submissions"]
+        reply = await client.get_json(f"{base}/submissions")
+        sealed = reply["submissions"]
         try:
-            seed = await verified_seed(client, spec, r, beacon, sealed_list_digest_of(sealed))
+            seed = await verified_seed(client, spec, r, beacon, *round_inputs(reply, me))
         except RejectedInput as exc:
-            log.error("round %d: the ledger's beacon does not verify (%s); not revealing", r,
-                      exc)
+            log.error("round %d: not revealing: %s (%s)", r, exc, exc.reason)
             continue
         workers = [open_signed(wire, Submission).message.worker for wire in sealed]
         if signed.digest not in {open_signed(w, Submission).digest for w in sealed}:
