@@ -288,10 +288,12 @@ async def fetch_run(client: LedgerClient, run_id: str | None, *, poll_seconds: f
 
 
 async def fetch_base_files(client: LedgerClient, spec: RunSpec, info: dict[str, Any], *,
-                           max_model_bytes: int) -> tuple[bytes, bytes | None]:
+                           max_model_bytes: int, newest_certified: int = 0
+                           ) -> tuple[bytes, bytes | None]:
     """A round's base model file and outer-state file (None in round 0), downloaded by the
-    hashes its certificate vouches for (:func:`certified_base`)."""
-    model_hash, outer_hash = certified_base(spec, info)
+    hashes its certificate vouches for (:func:`certified_base`; no older base than the
+    ``newest_certified`` round the caller saw)."""
+    model_hash, outer_hash = certified_base(spec, info, newest_certified=newest_certified)
     model = await client.get_blob(model_hash, max_bytes=max_model_bytes)
     if outer_hash is None:
         return model, None

@@ -49,15 +49,30 @@ def verify_certificate(cert: Any, spec: RunSpec, *, base_of_round: int) -> Certi
     return state
 
 
-def certified_base(spec: RunSpec, info: dict[str, Any]) -> tuple[str, str | None]:
+def base_round(info: dict[str, Any]) -> int:
+    """The certified round of a served round's base: ``CertifiedState.round`` of its base
+    certificate, 0 for the genesis model (checked by :func:`certified_base`)."""
+    cert = info.get("base_certificate")
+    return 0 if info["round"] == 0 or cert is None else int(cert["certified"]["round"])
+
+
+def certified_base(spec: RunSpec, info: dict[str, Any], *, newest_certified: int = 0
+                   ) -> tuple[str, str | None]:
     """(model hash, outer-state hash) of a round's base as its certificate vouches for them.
 
     ``info`` is the round as the ledger serves it (``round``, ``base_model_hash``,
     ``outer_state_hash``, ``base_certificate``). Round 0 starts from the signed spec's
-    genesis model with zero outer momentum (no outer-state file).
+    genesis model with zero outer momentum (no outer-state file). ``newest_certified`` is
+    the newest certified round this node has seen (:func:`base_round` of the bases it
+    took): a base older than that is a rollback (``invalid_base``), whatever the ledger
+    serves as the newest certificate before the round.
     """
     r, cert = info["round"], info.get("base_certificate")
     if r == 0 or cert is None:  # round 0, or every round before it was voided
+        if newest_certified > 0:
+            raise RejectedInput(f"round {r} starts from the genesis model, but this node saw "
+                                f"round {newest_certified} certified: a rollback",
+                                "invalid_base")
         if info["base_model_hash"] != spec.genesis_model_hash or info.get(
                 "outer_state_hash") is not None:
             raise RejectedInput(f"round {r} starts from neither the genesis model nor a "
@@ -71,6 +86,10 @@ def certified_base(spec: RunSpec, info: dict[str, Any]) -> tuple[str, str | None
         raise InvalidCertificate(f"malformed base certificate: {exc}") from None
     if not 1 <= certified_round <= r:
         raise InvalidCertificate(f"round {r}'s base certificate is for round {certified_round}")
+    if certified_round < newest_certified:
+        raise RejectedInput(f"round {r}'s base is round {certified_round}'s certified model, "
+                            f"but this node saw round {newest_certified} certified: a rollback",
+                            "invalid_base")
     state = verify_certificate(cert, spec, base_of_round=certified_round)
     if (state.model_hash, state.outer_state_hash) != (
             info["base_model_hash"], info["outer_state_hash"]):

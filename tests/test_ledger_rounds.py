@@ -120,8 +120,9 @@ def test_a_split_round_is_voided_and_the_run_goes_on_from_the_same_base(tmp_path
     each digest chained) and round 2 opens on round 0's certified model, vouched for by
     round 0's certificate (the newest before it)."""
     from veritrain.ledger.audit import verify_events
-    from veritrain.protocol.certificates import certified_base
+    from veritrain.protocol.certificates import base_round, certified_base
     from veritrain.protocol.encoding import decode_canonical
+    from veritrain.protocol.errors import RejectedInput
 
     run = make_fake_run("split-run", n_validators=3, quorum=2, schedule={
         "round_seconds": 3600.0, "min_submissions": 1, "max_rounds": 5})
@@ -162,6 +163,18 @@ def test_a_split_round_is_voided_and_the_run_goes_on_from_the_same_base(tmp_path
     assert nxt["status"] == "open" and nxt["base_model_hash"] == m0 and accepted == 201
     assert nxt["base_certificate"]["certified"]["round"] == 1
     assert certified_base(run.spec, nxt) == (m0, hashlib.sha256(b"momentum M0").hexdigest())
+    # A node that already saw round 1's certificate takes round 0's base no more (round 2 was
+    # served on round 0's model legitimately; a ledger serving an older one rolls it back).
+    assert base_round(nxt) == 1
+    assert certified_base(run.spec, nxt, newest_certified=1)[0] == m0
+    with pytest.raises(RejectedInput) as rollback:
+        certified_base(run.spec, nxt, newest_certified=2)
+    assert rollback.value.reason == "invalid_base" and "rollback" in str(rollback.value)
+    genesis = {**nxt, "base_certificate": None, "base_model_hash": run.spec.genesis_model_hash,
+               "outer_state_hash": None}
+    assert certified_base(run.spec, genesis)[0] == run.spec.genesis_model_hash
+    with pytest.raises(RejectedInput, match="rollback"):
+        certified_base(run.spec, genesis, newest_certified=1)
     voided = [decode_canonical(e.body) for e in events if e.kind == "round_voided"]
     assert len(voided) == 1 and voided[0]["round"] == 1
     assert voided[0]["reason"].startswith("split: 3 results certify 3")
