@@ -184,16 +184,35 @@ VERIFICATION = f.record(
         "binding_chunks": f.integer(0, 1 << 20),
         "recompute_threads": f.integer(1, 256),
         "beacon": f.one_of("shares", "threshold"),
+        "byzantine_share": f.number(0.0, 0.5),
     },
     # Added with the probe filter: specs signed before it have no probe (both 0); added
     # with chunked commitments: the chunks a check opens (16 when absent); the CPU threads
     # a validator recomputes with (1 when absent).
     # ``beacon`` (threshold beacon from a DKG, specs/protocol.md 5.4a): "shares" when absent.
+    # ``byzantine_share``: the share of workers the run must tolerate, 0 (none declared)
+    # when absent; a masked run whose breakdown point is not above it is refused.
     absent_ok=frozenset({"probe_examples", "probe_factor", "opened_chunks", "binding_chunks",
-                         "recompute_threads", "beacon"}),
+                         "recompute_threads", "beacon", "byzantine_share"}),
 )
 #: Largest bucket a run may ask for (buckets hold ``bucket_size`` to ``2 bucket_size - 1``).
 MAX_BUCKET_SIZE = 64
+
+
+def masked_withstands(byzantine: int, workers: int, bucket_size: int) -> bool:
+    """Whether a masked round of ``workers`` submitters withstands ``byzantine`` of them
+    wherever the beacon deals them: N workers make ``B = floor(N / s)`` buckets, a
+    Byzantine member spoils its whole bucket, so f of them spoil up to ``min(f, B)``, and
+    CenteredClip over the bucket means needs fewer than half spoiled: ``2 f < B``."""
+    return 2 * byzantine < workers // bucket_size
+
+
+def masked_breakdown(bucket_size: int) -> float:
+    """The breakdown point of masked buckets of s, as a share of the workers: ``1 / (2 s)``,
+    the limit of :func:`masked_withstands` as N grows (for N workers, ``2 f < floor(N /
+    s)`` allows a little less: ``f / N < (1 - (s - 1) / N) / (2 s)``). Unmasked
+    CenteredClip's is 1/2."""
+    return 1.0 / (2 * bucket_size)
 MASKED = f.record({
     "bucket_size": f.integer(2, MAX_BUCKET_SIZE),
     "max_dropouts": f.integer(0, MAX_BUCKET_SIZE),
@@ -361,6 +380,12 @@ class RunSpec(Message):
         if self.schedule["min_submissions"] < 2:
             return ("masked buckets need schedule.min_submissions >= 2: a round sealed "
                     "with one submitter has no bucket to hide it in")
+        share = self.verification.get("byzantine_share", 0.0)
+        if share >= masked_breakdown(m["bucket_size"]):
+            s = m["bucket_size"]
+            return (f"masked buckets of {s} withstand a Byzantine share below 1/(2 x {s}) = "
+                    f"{masked_breakdown(s):.4g}, not the {share:.4g} this run declares "
+                    "(specs/secure-averaging.md E.2, Breakdown)")
         return None
 
     def validator_index(self, ed25519_hex: str) -> int | None:

@@ -601,7 +601,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --sharded: the last validator shifts its shard by 0.1%%")
     d.add_argument("--masked-buckets", type=int, default=0, metavar="S",
                    help="workers hide their updates in masked buckets of S (validators see "
-                   "bucket sums only; half the workers are opened by spot checks each round)")
+                   "bucket sums only; half the workers are opened by spot checks each round; "
+                   "the two cheaters need --workers of at least 5 S)")
     d.add_argument("--beacon", choices=["shares", "threshold"], default="threshold",
                    help="challenge seeds from the validators' DKG key (threshold, the "
                    "default) or from a quorum of their BLS shares (shares)")

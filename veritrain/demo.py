@@ -13,7 +13,9 @@ catch, record and recompute (specs/secure-averaging.md A).
 With ``--masked-buckets S`` workers hide their updates in masked buckets of S
 (specs/secure-averaging.md B, E.2): validators unmask only bucket sums, and
 the half of the workers the beacon spot-checks each round open their masked
-input, so a cheater is caught the first round it is opened.
+input, so a cheater is caught the first round it is opened. A Byzantine worker
+spoils its whole bucket, so the two cheaters need more than four buckets:
+``--workers`` at least ``5 S``.
 
 With ``--admission bond`` (or ``allowlist``) only admitted keys may work
 (specs/scoring.md, "Admission"): the organiser, as the run's treasury, records a
@@ -40,6 +42,7 @@ from veritrain.ledger.audit import fetch_and_verify, format_report
 from veritrain.ledger.client import LedgerClient, publish_run
 from veritrain.local import LocalProcesses
 from veritrain.protocol.identity import Identity, write_key_file
+from veritrain.protocol.messages import masked_withstands
 from veritrain.protocol.organiser import build_run
 from veritrain.protocol.presets import run_preset
 from veritrain.protocol.runtime import RunContext
@@ -271,6 +274,8 @@ def run_demo(args: argparse.Namespace) -> int:
     settings = run_preset(args.preset)
     settings["schedule"]["max_rounds"] = args.rounds
     settings["verification"]["beacon"] = args.beacon
+    # The run declares the share of workers it must withstand: the demo's two cheaters.
+    settings["verification"]["byzantine_share"] = len(attacks) / n_workers
     shard_cheater = None
     if args.sharded:
         if args.validators < 3:
@@ -286,6 +291,14 @@ def run_demo(args: argparse.Namespace) -> int:
         if args.masked_buckets < 2 or n_workers < max(4, args.masked_buckets):
             raise SystemExit("--masked-buckets needs buckets of at least 2, that many workers "
                              "and two honest workers besides the cheaters")
+        if not masked_withstands(len(attacks), n_workers, args.masked_buckets):
+            need = args.masked_buckets * (2 * len(attacks) + 1)
+            raise SystemExit(
+                f"{n_workers} workers make {n_workers // args.masked_buckets} masked buckets "
+                f"of {args.masked_buckets}, and {len(attacks)} cheaters could spoil half of "
+                f"them: masked buckets withstand f Byzantine workers only in more than 2f "
+                f"buckets, here --workers {need} or more (specs/secure-averaging.md E.2, "
+                "Breakdown)")
         settings["aggregator"]["params"].pop("bucket_size", None)
         settings["aggregator"]["masked"] = {
             "bucket_size": args.masked_buckets,
