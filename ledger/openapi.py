@@ -181,7 +181,8 @@ def _paths() -> dict[str, Any]:
                          **problems(404)})},
         rnd + "/submissions": {
             "get": op("the sealed submission list of a closed round", [RUN, ROUND],
-                      {**ok(obj({"submissions": arr(ref("Signed"))})), **problems(404, 409)}),
+                      {**ok(obj({"submissions": arr(ref("Signed")), "excluded": OBJ})),
+                       **problems(404, 409)}),
             "post": op("submit (signed Submission, then its payload)", [RUN, ROUND],
                        {"201": ok(ref("Signed"), "the ledger's signed receipt", 201)["201"],
                         "200": ok(ref("Signed"), "this envelope was already recorded: "

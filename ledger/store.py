@@ -20,6 +20,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from veritrain.protocol import bls, dkg
 from veritrain.protocol.beacon import (
+    bans_round,
     beacon_root,
     beacon_seed_of,
     participant_exclusions,
@@ -580,7 +581,8 @@ class LedgerStore:
         state = membership.state_of(s, spec)
         if not state.policy.open:
             registered = state.admitted(registered, r)
-        banned = {p.pubkey for p in rows if p.banned_until_round >= r}
+        ban_rounds = spec.verification["ban_rounds"]
+        banned = {p.pubkey for p in rows if bans_round(p.banned_until_round, ban_rounds, r)}
         return participant_exclusions(workers, registered, banned)
 
     def _check_round_inputs(self, s: Session, spec: RunSpec, r: int, sealed: str,

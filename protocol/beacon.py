@@ -102,6 +102,13 @@ def participant_exclusions(workers: Iterable[str], registered: Container[str],
     return out
 
 
+def bans_round(banned_until_round: int, ban_rounds: int, r: int) -> bool:
+    """Whether a worker's ban covers round r as that round is judged: a ban issued in round
+    r' runs to ``r' + ban_rounds``, and only one issued before r counts (round r's own bans,
+    set when it is finalized, would otherwise change its participant view afterwards)."""
+    return banned_until_round - ban_rounds < r <= banned_until_round
+
+
 def participants_digest(exclusions: Mapping[str, str]) -> str:
     """sha256 (hex) of a round's participant view (``participant_exclusions``): the
     excluded workers, sorted, each with its reason, length-prefixed, after the tag

@@ -101,7 +101,7 @@ def close_problem(*, opened_at: float, deadline: float, extensions: int,
     if seen_closed_at + slack < closed_at:
         return (f"seen closed at {seen_closed_at:.3f} by this party's clock, "
                 f"{closed_at - seen_closed_at:.1f} s before the close time the ledger "
-                f"states ({closed_at:.3f})")
+                f"states ({closed_at:.3f}; or this party's clock is that far behind)")
     if closed_at < deadline:
         missing = set(active_at_close) - set(sealed)
         if missing:

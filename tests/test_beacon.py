@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 from fakes import validator_identities
+from hypothesis import given
+from hypothesis import strategies as st
 from veritrain.protocol.beacon import (
     EVERY_WORKER_ADMITTED,
+    bans_round,
     beacon_root,
     compute_beacon_seed,
     sealed_list_digest,
@@ -101,3 +104,12 @@ def test_validators_who_saw_another_sealed_list_expose_a_list_changed_after_the_
     with pytest.raises(RejectedInput) as err:
         check(beacon, envelopes)
     assert err.value.reason == "wrong_sealed_list"
+
+
+@given(issued=st.integers(0, 50), ban_rounds=st.integers(1, 10), r=st.integers(0, 80))
+def test_a_ban_counts_in_a_rounds_participant_view_only_if_issued_before_it(issued, ban_rounds,
+                                                                          r):
+    """A ban issued when round ``issued`` is finalized covers rounds issued+1 ..
+    issued+ban_rounds; round ``issued`` itself keeps the view it was judged with."""
+    until = issued + ban_rounds
+    assert bans_round(until, ban_rounds, r) == (issued < r <= until)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from veritrain.ledger.client import fetch_participants
+from veritrain.protocol.beacon import bans_round
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.membership import AdmissionPolicy, fold_rows
 from veritrain.protocol.messages import Registration, RunSpec, open_signed
@@ -77,7 +78,7 @@ async def fetch_participant_view(client: Any, spec: RunSpec, r: int) -> Particip
             continue
         at = row.get("registered_at")
         view.registered_at[reg.participant] = at if isinstance(at, int | float) else 0.0
-        if row["banned_until_round"] >= r:
+        if bans_round(row["banned_until_round"], spec.verification["ban_rounds"], r):
             view.banned.add(reg.participant)
     view.registered = await admitted_workers(client, spec, r, set(view.registered_at))
     return view

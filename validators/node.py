@@ -92,6 +92,8 @@ log = logging.getLogger("veritrain.validator")
 
 #: Faults on one round after which a validator stops trying to certify it.
 MAX_ROUND_FAULTS = 5
+#: Seconds after the reveal deadline before the last read of a round's reveals.
+REVEAL_SETTLE_SECONDS = 1.0
 
 
 @dataclass
@@ -228,7 +230,7 @@ class ValidatorNode:
                 except RejectedInput as exc:
                     # Bad input from the ledger or a peer: recorded, never a reason to stop.
                     self.fault(r, exc.reason, str(exc), refused, final=exc.reason in (
-                        "invalid_board", "invalid_beacon", "board_fault", "early_close"))
+                        "invalid_board", "invalid_beacon", "board_fault"))
                     continue
                 except LedgerUnavailable as exc:
                     log.warning("round %d: %s; trying again", r, exc)
@@ -449,6 +451,11 @@ class ValidatorNode:
         view = await client.get_json(path)
         while not view["complete"] and (not view["fixed"] or view["now"] < view["reveal_deadline"]):
             await asyncio.sleep(self.config.poll_seconds)
+            view = await client.get_json(path)
+        if not view["complete"]:
+            # A reveal receipted at the deadline commits a moment after a read that already
+            # saw the deadline pass: read once more, so no validator misses it.
+            await asyncio.sleep(REVEAL_SETTLE_SECONDS)
             view = await client.get_json(path)
         ledger_key = (await client.get_json("/v1/ledger"))["ledger_key"]
         policy = ChallengePolicy.of_run(spec)

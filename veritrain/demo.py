@@ -274,8 +274,6 @@ def run_demo(args: argparse.Namespace) -> int:
     settings = run_preset(args.preset)
     settings["schedule"]["max_rounds"] = args.rounds
     settings["verification"]["beacon"] = args.beacon
-    # The run declares the share of workers it must withstand: the demo's two cheaters.
-    settings["verification"]["byzantine_share"] = len(attacks) / n_workers
     shard_cheater = None
     if args.sharded:
         if args.validators < 3:
@@ -299,6 +297,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 f"them: masked buckets withstand f Byzantine workers only in more than 2f "
                 f"buckets, here --workers {need} or more (specs/secure-averaging.md E.2, "
                 "Breakdown)")
+        # The run declares the share of workers it must withstand: the two cheaters.
+        settings["verification"]["byzantine_share"] = len(attacks) / n_workers
         settings["aggregator"]["params"].pop("bucket_size", None)
         settings["aggregator"]["masked"] = {
             "bucket_size": args.masked_buckets,
