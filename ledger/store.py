@@ -145,6 +145,8 @@ class LedgerStore:
         self.identity = identity
         self.clock = clock
         self.checkpointer = Checkpointer(identity, clock)
+        #: (run, round) -> the participant view of a closed round (participant_exclusions)
+        self._participant_views: dict[tuple[str, int], dict[str, str]] = {}
         self.checkpointer.install(self.sessions)
         self._specs: dict[bytes, RunSpec] = {}
         #: BLS outcomes computed once per exact input (admission.py).
@@ -567,6 +569,19 @@ class LedgerStore:
             return envelopes, self.participant_exclusions(s, self.get_spec(s, run_id), r)
 
     def participant_exclusions(self, s: Session, spec: RunSpec, r: int) -> dict[str, str]:
+        """:meth:`participant_view` of a round, computed once per closed round: the view of
+        a closed round does not change (its submissions are sealed, bans count only from
+        earlier rounds, membership rows name open rounds), and every worker reads it."""
+        key = (spec.run_id, r)
+        if (cached := self._participant_views.get(key)) is not None:
+            return dict(cached)
+        view = self.participant_view(s, spec, r)
+        if len(self._participant_views) >= 256:
+            self._participant_views.clear()
+        self._participant_views[key] = view
+        return dict(view)
+
+    def participant_view(self, s: Session, spec: RunSpec, r: int) -> dict[str, str]:
         """The ledger's own participant view of round r's sealed list
         (``participant_exclusions``: its registrations, the chain's admission rows, bans
         covering r). Empty for every list this ledger sealed unless a worker lost its

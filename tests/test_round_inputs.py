@@ -130,12 +130,20 @@ def test_a_view_the_chain_contradicts_is_named_by_the_audit_and_seen_by_the_work
     assert "beacon_share" in audit.problem, audit.problem
 
 
-def test_without_the_lie_the_same_round_certifies_and_audits(tmp_path):
-    """The control for the test above: the same round with an honest ledger."""
+def test_without_the_lie_the_same_round_certifies_and_audits(tmp_path, monkeypatch):
+    """The control for the test above: the same round with an honest ledger, whose view
+    of the closed round is computed once however many workers read it."""
     validator, bundle, run, workers, preps = _run()
+    computed = []
+    real = LedgerStore.participant_view
+    monkeypatch.setattr(LedgerStore, "participant_view",
+                        lambda self, *a: computed.append(a[1:]) or real(self, *a))
 
     async def scenario(api: Api):
         await _register_and_submit(api, bundle, workers, preps)
+        for _ in range(5):
+            _, sealed = await api.get(f"/v1/runs/{RUN}/rounds/0/submissions")
+            assert sealed["excluded"] == {}
         _, summary = await validate(api, run, validator, preps, workers)
         async with LedgerClient(api.url, retry_for=5.0) as client:
             ledger_key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
@@ -143,6 +151,7 @@ def test_without_the_lie_the_same_round_certifies_and_audits(tmp_path):
         return summary, audit
 
     summary, audit = run_api(tmp_path, scenario)
+    assert len(computed) == 1, computed
     assert summary["status"] == "finalized"
     assert all(v["reason"] != "unknown_worker" for v in summary["verdicts"])
     assert audit.ok, audit.problem

@@ -537,12 +537,13 @@ class ValidatorNode:
         sealed = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/submissions")
         view = await fetch_participant_view(client, spec, r)
         registered, banned = view.registered, view.banned
-        sealed_workers = []
+        opened = []  # the sealed list's submissions that open, each checked once
         for wire in sealed["submissions"]:
             try:
-                sealed_workers.append(open_signed(wire, Submission).message.worker)
-            except RejectedInput:
-                continue  # named below, where the candidates are built
+                opened.append(open_signed(wire, Submission))
+            except RejectedInput as exc:
+                log.warning("ledger served an invalid submission: %s", exc)
+        sealed_workers = [signed.message.worker for signed in opened]
         close_problem = check_close(view, info, sealed_workers, seen_closed_at=time.time(),
                                     min_submissions=spec.schedule["min_submissions"],
                                     round_seconds=spec.schedule["round_seconds"],
@@ -555,12 +556,7 @@ class ValidatorNode:
         seed = await self.beacon_seed(client, spec, r, sealed["submissions"], participants)
         candidates = []
         payloads = BlobFiles(scratch / "payloads")  # by submission digest, read when checked
-        for wire in sealed["submissions"]:
-            try:
-                signed = open_signed(wire, Submission)
-            except RejectedInput as exc:
-                log.warning("ledger served an invalid submission: %s", exc)
-                continue
+        for signed in opened:
             if spec.masked is not None:  # no payload on the ledger; opened ones are revealed
                 candidates.append(Candidate(signed, None))
                 continue
