@@ -72,6 +72,10 @@ RAW_CHUNK = 1 << 22
 CENTERED_CHUNK = 1 << 16
 #: float32 products are summed over at most this many columns before float64.
 SUBBLOCK = 1024
+#: Columns of one float64 partial of a streamed Gram (``unit_products``): 64 subblocks.
+#: Passes read whole units, so their partials, added in column order, give the same
+#: bytes however the columns were chunked.
+UNIT = 64 * SUBBLOCK
 #: Values sampled (evenly spaced runs of 64 columns of every row) to pick the
 #: reference row and estimate kappa: 1024 columns for 16 rows.
 SAMPLE = 16384
@@ -350,6 +354,43 @@ def _products(a: Tensor, b: Tensor) -> Tensor:
     if k * SUBBLOCK < w:
         out += (a[:, k * SUBBLOCK :] @ b[:, k * SUBBLOCK :].T).to(torch.float64)
     return out
+
+
+def unit_products(x: Tensor) -> Tensor:
+    """``x_u x_u^T`` in float64 for each run ``x_u`` of ``UNIT`` columns of ``x`` [n, L]
+    (the last run may be shorter): [units, n, n].
+
+    float32 products are summed over ``SUBBLOCK`` columns (one batched product for
+    all of ``x``), then the 64 subblocks of a unit in float64; float64 rows take one
+    product per unit.  A unit's partial is computed alike wherever it sits in ``x``,
+    so a pass whose chunks are whole units gets the same partials for any chunking.
+    """
+    n, width = x.shape
+    full = width // UNIT
+    parts: list[Tensor] = []
+    if x.dtype == torch.float64:
+        if full:
+            blocks = x[:, : full * UNIT].unflatten(1, (full, UNIT)).transpose(0, 1)
+            parts.extend(torch.bmm(blocks, blocks.transpose(1, 2)).unbind(0))
+        if full * UNIT < width:
+            tail = x[:, full * UNIT :]
+            parts.append(tail @ tail.T)
+        return torch.stack(parts)
+    k = width // SUBBLOCK
+    if k:
+        blocks = x[:, : k * SUBBLOCK].unflatten(1, (k, SUBBLOCK)).transpose(0, 1)
+        sub = torch.bmm(blocks, blocks.transpose(1, 2))
+        per_unit = UNIT // SUBBLOCK
+        parts.extend(sub[a : a + per_unit].sum(dim=0, dtype=torch.float64)
+                     for a in range(0, k, per_unit))
+    if k * SUBBLOCK < width:
+        tail = x[:, k * SUBBLOCK :]
+        rest = (tail @ tail.T).to(torch.float64)
+        if k % (UNIT // SUBBLOCK):
+            parts[-1] = parts[-1] + rest  # the short last unit: its subblocks, then the rest
+        else:
+            parts.append(rest)
+    return torch.stack(parts)
 
 
 def pairwise_sq_dists(gram: Tensor) -> Tensor:
