@@ -24,6 +24,7 @@ from ._inputs import (
     is_finite,
 )
 from .coordinate import CoordinateMedian
+from .copies import share_copies
 from .errors import AggregationInputError
 from .geometric_median import geometric_median_coef
 from .gram import Gram, lower_median
@@ -276,7 +277,7 @@ def clip_radius(
     n = rows.n_rows
     wn = normalized_weights(check_weights(weights, n), n)
     gram = gram_rows(rows, torch.nonzero(wn > 0).flatten(), chunk=chunk)
-    return _gm_radius(gram, wn, tau_rel)[1]
+    return _gm_radius(gram, share_copies(gram, wn)[0], tau_rel)[1]
 
 
 @dataclass(frozen=True)
@@ -308,7 +309,8 @@ def centered_clip_rows(
                    start="median": the coordinate-wise median)
         v_{t+1} = v_t + sum_i w_i (x_i - v_t) min(1, tau / ||x_i - v_t||) / sum_i w_i
 
-    Exactly one of ``tau`` (the radius) or ``tau_rel``: tau = tau_rel * lower median
+    with copies sharing one row's weight throughout (``copies.share_copies``: rows
+    within 1% of the median distance between rows count as one).  Exactly one of ``tau`` (the radius) or ``tau_rel``: tau = tau_rel * lower median
     over the rows of positive weight of ||x_i - GM(x)|| (``clip_radius``; the same
     float for either start).  At most ``iterations`` steps, stopping once a step is
     <= tol * tau.  Returns ``(v, RowsClipStats)``: v [D] in the rows' dtype, the clip
@@ -330,24 +332,26 @@ def centered_clip_rows(
     w = check_weights(weights, n)
     wn = normalized_weights(w, n)
 
-    def radius_of(gram: Gram) -> tuple[Tensor, float]:
+    def radius_of(gram: Gram, ws: Tensor) -> tuple[Tensor, float]:
         if tau_rel is not None:
-            return _gm_radius(gram, wn, tau_rel)
-        return geometric_median_coef(gram, wn), float(tau)  # type: ignore[arg-type]
+            return _gm_radius(gram, ws, tau_rel)
+        return geometric_median_coef(gram, ws), float(tau)  # type: ignore[arg-type]
 
     if start == "median":
         mg = median_gram(rows, w, chunk=chunk)
-        radius = radius_of(mg.gram)[1] if tau_rel is not None else float(tau)  # type: ignore[arg-type]
+        ws = share_copies(mg.gram, wn)[0]
+        radius = radius_of(mg.gram, ws)[1] if tau_rel is not None else float(tau)  # type: ignore[arg-type]
         coef0 = torch.zeros(n + 1, dtype=torch.float64)
         coef0[n] = 1.0  # the median point
-        med = _iterate(mg.gram, coef0, wn, radius, iterations, tol)
+        med = _iterate(mg.gram, coef0, ws, radius, iterations, tol)
         run = _ClipRun(med.coef, med.noise, med.scale, med.iterations_run, radius)
         gram, extra = mg.gram, mg.median
     else:
 
         def solve(g: Gram) -> _ClipRun:
-            coef, radius = radius_of(g)
-            r = _iterate(g, coef, wn, radius, iterations, tol)
+            ws = share_copies(g, wn)[0]
+            coef, radius = radius_of(g, ws)
+            r = _iterate(g, coef, ws, radius, iterations, tol)
             return _ClipRun(r.coef, r.noise, r.scale, r.iterations_run, radius)
 
         candidates = torch.nonzero(wn > 0).flatten()

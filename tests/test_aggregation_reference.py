@@ -265,10 +265,14 @@ def test_centered_clip_tensor_start_matches_reference(dtype, data):
 
 
 def test_centered_clip_stats_report_clipping_at_the_result():
-    # Four rows at 0 and one at 10 (1-D), tau = 1, start at the median 0: the
-    # outlier is clipped to a pull of 1/5 per step; v creeps up 0.2 per step.
+    # Four rows at 0 and one at 10 (1-D), tau = 1, started at the median 0 (a given
+    # start: the paper's rule, where the four copies count four times; the streamed
+    # starts count copies once, test_copies.py): the outlier is clipped to a pull of
+    # 1/5 per step; v creeps up 0.2 per step.
     x = torch.tensor([[0.0], [0.0], [0.0], [0.0], [10.0]], dtype=torch.float64)
-    out, stats = centered_clip_with_stats(x, tau=1.0, iterations=3, tol=0.0)
+    out, stats = centered_clip_with_stats(
+        x, tau=1.0, iterations=3, tol=0.0, start=torch.zeros(1, dtype=torch.float64)
+    )
     assert stats.iterations_run == 3
     # each step: four honest rows at distance v pull back by -v*4/5 (unclipped),
     # the outlier pulls +1/5.
