@@ -76,16 +76,19 @@ and the last line::
 (worst_f*: the run default, ``cc_probe``, worst over attacks and seeds; CenteredClip
 alone where ``cc_probe`` was not run.)
 
-Measured (issue 24; ``--f 3,7 --aggregators cc_probe``, 3 seeds, 102 runs, 22 min on
-the shared 2-core machine, 17.7 CPU-minutes)::
+Measured (issue 24; ``--f 3,7 --aggregators cc_probe``, 3 seeds, 102 runs, 7.4 min on
+the shared 2-core machine)::
 
-    robustness: seeds=3 worst_f7=+5.9% worst_f3=+0.8% honest_lost_pay=0/11520 honest_excluded=43/11520 max_attacker_share_gain=+0.062
+    robustness: seeds=3 worst_f7=+3.3% worst_f3=+1.0% honest_lost_pay=0/11520 honest_excluded=6/11520 max_attacker_share_gain=+0.000
 
-The worst cell at f = 7 is ``mimic`` (+2.8%, +4.7%, +5.9% on the seeds); the
-min-max / min-sum attacks stay within +0.8% (f = 3) and +1.6% (f = 7). The share
-gain comes from rounds where the probe filter excluded an honest row and no
-attacker. The full grid (798 runs) is about 7.8 times that compute: about 70 min
-on 2 idle cores, nearly 3 h on shared ones (specs/aggregation.md, section 7).
+The worst cell at f = 7 is ``sign_flip`` (+3.3%; median over seeds +2.0%); ``mimic``
+went from +5.9% to +0.8% once CenteredClip counts copies once (aggregation/copies.py),
+and the probe filter, which now acts only on a group (more than an eighth of the rows
+below its floor), excluded 6 honest rows of 11,520 (was 43) and never raised the
+attackers' share of the aggregated rows. The ``cc_probe`` cells do not depend on the
+other rows, so this last line is the full grid's; the full grid (798 runs) is about 7.8
+times this compute: about 60 min on 2 idle cores, 2 to 3 h on shared ones
+(specs/aggregation.md, section 7).
 
 Run: ``.venv/bin/python bench/robustness.py [--quick] [--jobs 2] [--rounds R] [--seeds K]
 [--f 3,7] [--aggregators cc_probe,...] [--attacks ...]``.
@@ -373,9 +376,15 @@ def run_cell(job: Mapping[str, Any]) -> dict[str, Any]:
         shares: list[dict[str, int]] = []
         out["rounds"] = shares  # per-round counts (round_shares), kept if the run diverges
 
+        excluded: list[dict[str, Any]] = []
+        out["excluded"] = excluded  # every excluded row: round, attacker or not, the filter's words
+
         def on_round(r: int, o: Any) -> None:
             losses.append(float(o.eval_loss))
             shares.append(round_shares(o.verdicts, attackers))
+            excluded.extend({"round": r, "attacker": v["worker"] in attackers,
+                             "reason": v["reason"], "detail": v["detail"]}
+                            for v in o.verdicts if v["status"] == "excluded")
 
         try:
             result = swarm.train(int(job["rounds"]), on_round=on_round)

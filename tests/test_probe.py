@@ -157,3 +157,22 @@ def test_synthetic_example_losses_average_to_the_loss():
         whole = task.loss(model, batch)
     assert per.shape == (6,)
     assert abs(float(per.double().mean()) - float(whole)) < 1e-5
+
+
+def test_one_or_two_suspects_are_left_to_centered_clip_a_group_is_excluded():
+    """Issue 24: the filter acts against groups. At 16 rows one or two updates below the
+    floor (a lone honest update gone bad, while attackers sit inside the spread) are
+    aggregated, clipped; three or more are excluded, all of them."""
+    from veritrain.validators.probe import min_group
+
+    assert [min_group(n) for n in (4, 7, 8, 15, 16, 24, 64)] == [1, 1, 2, 2, 3, 4, 9]
+    honest = {f"h{i}": ProbeGain(0.02 + 0.001 * (i % 5), 0.002) for i in range(13)}
+    bad = [ProbeGain(-1.6, 0.1), ProbeGain(-0.2, 0.01), ProbeGain(-0.5, 0.02)]
+    for k in (1, 2):
+        out = loss_regressions({**honest, **{f"o{j}": bad[j] for j in range(k)},
+                                **{f"p{j}": ProbeGain(0.021, 0.002) for j in range(3 - k)}}, 5.0)
+        assert out == {}, k
+    three = {**honest, **{f"o{j}": bad[j] for j in range(3)}}
+    out = loss_regressions(three, 5.0)
+    assert set(out) == {"o0", "o1", "o2"}
+    assert "3 of 16 rows below it" in out["o0"] and "(se 0.1)" in out["o0"]
