@@ -53,7 +53,10 @@ __all__ = [
     "optimal_alie_factor",
     "optimal_ipm",
     "optimal_ipm_factor",
+    "optimal_sign",
+    "optimal_sign_factor",
     "sign_flip",
+    "sign_perturbation",
 ]
 
 
@@ -240,6 +243,38 @@ def optimal_alie(
     """ALIE with z line-searched to maximize ||aggregate - mu|| (ByzFL's optimal ALIE)."""
     z = optimal_alie_factor(honest, f, aggregator, evaluations=evaluations)
     return a_little_is_enough(honest, f, z=z)
+
+
+def sign_perturbation(honest: Tensor, f: int, z: float = 1.0) -> Tensor:
+    """``mu - z * s * sign(mu)``, f copies, with ``s`` the root mean square of sigma: the
+    sign direction of Shejwalkar and Houmansadr in the units of ALIE's z (z = 1 moves
+    every coordinate by a typical honest standard deviation)."""
+    x, f = _honest(honest, f)
+    mu = x.mean(dim=0)
+    scale = _sigma(x).square().mean().sqrt()
+    return _repeat(mu - z * scale * torch.sign(mu), f)
+
+
+def optimal_sign_factor(
+    honest: Tensor, f: int, aggregator: Aggregator, *, evaluations: int = 16
+) -> float:
+    """The z >= 0 found by ``line_maximize`` for :func:`sign_perturbation` against
+    ``aggregator``."""
+    x, f = _honest(honest, f)
+    return line_maximize(
+        lambda z: _damage(aggregator, x, sign_perturbation(x, f, z)), evaluations=evaluations
+    )
+
+
+def optimal_sign(
+    honest: Tensor, f: int, aggregator: Aggregator, *, evaluations: int = 16
+) -> Tensor:
+    """The AGR-tailored attack of Shejwalkar and Houmansadr (NDSS 2021) in the sign
+    direction: ``mu - gamma sign(mu)`` with gamma line-searched to maximize
+    ||aggregate - mu|| against ``aggregator`` (the unit direction is the optimal IPM's
+    family, the std direction the optimal ALIE's)."""
+    z = optimal_sign_factor(honest, f, aggregator, evaluations=evaluations)
+    return sign_perturbation(honest, f, z)
 
 
 #: Perturbation directions of :func:`min_max` / :func:`min_sum` (Shejwalkar, Houmansadr 2021).

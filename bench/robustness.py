@@ -11,9 +11,11 @@ the swarm:
   ``free_rider`` (noise of a plausible norm, no training);
 * omniscient (see the round's honest updates, do not train): ``alie``, ``ipm``,
   ``gaussian``, ``zeros`` (a free rider sending nothing), ``mimic``,
-  ``optimal_alie`` and ``optimal_ipm`` (line-searched against the run's aggregator,
-  and, where the probe filter is on, against that filter evaluated on a probe batch
-  of the attacker's own: the largest scale that still passes);
+  ``optimal_alie``, ``optimal_ipm`` and ``optimal_sign`` (line-searched against the
+  run's aggregator, and, where the probe filter is on, against that filter evaluated on
+  a probe batch of the attacker's own: the largest scale that still passes; together the
+  AGR-tailored attacks of Shejwalkar and Houmansadr in the std, unit and sign
+  directions);
 * the aggregator-agnostic optimization attacks of Shejwalkar and Houmansadr (NDSS
   2021): ``min_max_<p>`` and ``min_sum_<p>`` send mu - gamma p with the largest gamma
   whose row is no farther from the honest rows (max distance, resp. sum of squared
@@ -76,17 +78,17 @@ and the last line::
 (worst_f*: the run default, ``cc_probe``, worst over attacks and seeds; CenteredClip
 alone where ``cc_probe`` was not run.)
 
-Measured (issue 24; ``--f 3,7 --aggregators cc_probe``, 3 seeds, 102 runs, 7.4 min on
-the shared 2-core machine)::
+Measured (issue 24; ``--f 3,7 --aggregators cc_probe``, 3 seeds, 108 runs, about 8 min
+on the shared 2-core machine)::
 
-    robustness: seeds=3 worst_f7=+3.3% worst_f3=+1.0% honest_lost_pay=0/11520 honest_excluded=6/11520 max_attacker_share_gain=+0.000
+    robustness: seeds=3 worst_f7=+3.3% worst_f3=+1.0% honest_lost_pay=0/11520 honest_excluded=7/12180 max_attacker_share_gain=+0.000
 
 The worst cell at f = 7 is ``sign_flip`` (+3.3%; median over seeds +2.0%); ``mimic``
 went from +5.9% to +0.8% once CenteredClip counts copies once (aggregation/copies.py),
 and the probe filter, which now acts only on a group (more than an eighth of the rows
-below its floor), excluded 6 honest rows of 11,520 (was 43) and never raised the
+below its floor), excluded 7 honest rows of 12,180 (was 43 of 11,520) and never raised the
 attackers' share of the aggregated rows. The ``cc_probe`` cells do not depend on the
-other rows, so this last line is the full grid's; the full grid (798 runs) is about 7.8
+other rows, so this last line is the full grid's; the full grid (846 runs) is about 7.8
 times this compute: about 60 min on 2 idle cores, 2 to 3 h on shared ones
 (specs/aggregation.md, section 7).
 
@@ -121,10 +123,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SHEJWALKAR: tuple[str, ...] = tuple(f"{kind}_{direction}" for kind in ("min_max", "min_sum")
                                     for direction in ("unit", "sign", "std"))
 ATTACKS: tuple[str, ...] = ("sign_flip", "label_flip", "free_rider", "zeros", "gaussian",
-                            "mimic", "ipm", "alie", "optimal_ipm", "optimal_alie", *SHEJWALKAR)
+                            "mimic", "ipm", "alie", "optimal_ipm", "optimal_alie",
+                            "optimal_sign", *SHEJWALKAR)
 #: Attacks whose Byzantine workers do not train (cheaper cells).
 NON_TRAINING: frozenset[str] = frozenset({"free_rider", "zeros", "gaussian", "mimic", "ipm",
-                                          "alie", "optimal_ipm", "optimal_alie", *SHEJWALKAR})
+                                          "alie", "optimal_ipm", "optimal_alie",
+                                          "optimal_sign", *SHEJWALKAR})
 #: Table rows: label -> (registry name, params before f is filled in).
 AGGREGATORS: dict[str, tuple[str, dict[str, Any]]] = {
     "mean": ("mean", {}),

@@ -142,6 +142,7 @@ def test_optimal_attacks_beat_their_default_scales(agg):
     for optimal, fixed in [
         (atk.optimal_ipm(x, F, agg), atk.inner_product_manipulation(x, F)),
         (atk.optimal_alie(x, F, agg), atk.a_little_is_enough(x, F)),
+        (atk.optimal_sign(x, F, agg), atk.sign_perturbation(x, F)),
     ]:
         assert optimal.shape == (F, D)
         assert damage(agg, x, optimal) >= damage(agg, x, fixed) - 1e-12
@@ -247,3 +248,14 @@ def test_min_max_moves_the_mean_against_the_honest_direction():
     for direction in atk.DIRECTIONS:
         rows = torch.cat([x, atk.min_max(x, F, direction)])
         assert float(Mean()(rows) @ mu) < float(mu @ mu)
+
+
+def test_sign_perturbation_moves_every_coordinate_against_the_mean():
+    x = honest()
+    mu, scale = x.mean(0), x.std(0).square().mean().sqrt()
+    rows = atk.sign_perturbation(x, F, z=2.0)
+    assert_rows(rows, mu - 2.0 * scale * torch.sign(mu))
+    z = atk.optimal_sign_factor(x, F, CoordinateMedian(), evaluations=20)
+    best = damage(CoordinateMedian(), x, atk.sign_perturbation(x, F, z))
+    for probe in [0.0, 0.5, 1.0, 2.0, 4.0]:
+        assert best >= damage(CoordinateMedian(), x, atk.sign_perturbation(x, F, probe)) - 1e-12

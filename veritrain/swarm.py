@@ -45,7 +45,7 @@ WORKER_SIDE_ATTACKS = ("free_rider", "sign_flip", "label_flip")
 SHEJWALKAR_ATTACKS = tuple(f"{kind}_{direction}" for kind in ("min_max", "min_sum")
                            for direction in A.DIRECTIONS)
 OMNISCIENT_ATTACKS = ("alie", "ipm", "gaussian", "zeros", "mimic", "optimal_alie",
-                      "optimal_ipm", *SHEJWALKAR_ATTACKS)
+                      "optimal_ipm", "optimal_sign", *SHEJWALKAR_ATTACKS)
 ATTACKS = WORKER_SIDE_ATTACKS + OMNISCIENT_ATTACKS
 
 
@@ -148,6 +148,8 @@ class Swarm:
             agg = self._probe_aware(agg, r)
         if attack == "optimal_alie":
             return A.optimal_alie(honest, f, agg)
+        if attack == "optimal_sign":
+            return A.optimal_sign(honest, f, agg)
         return A.optimal_ipm(honest, f, agg)
 
     def _probe_aware(self, agg: Callable[[torch.Tensor], torch.Tensor], r: int
