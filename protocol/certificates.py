@@ -9,6 +9,10 @@ keys accepts the signature on the certified state's signing root.
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from . import bls
@@ -95,3 +99,50 @@ def certified_base(spec: RunSpec, info: dict[str, Any], *, newest_certified: int
             info["base_model_hash"], info["outer_state_hash"]):
         raise RejectedInput("round's base differs from its certificate", "invalid_base")
     return state.model_hash, state.outer_state_hash
+
+
+#: Where a node with a state directory keeps its :class:`CertifiedMark`.
+CERTIFIED_MARK_FILE = "certified-mark.json"
+
+
+class CertifiedMark:
+    """The newest certified round (:func:`base_round`) a node took a base from, per run:
+    what :func:`certified_base` holds the ledger to (``newest_certified``), so it cannot
+    roll the node back to an older model, after a restart too when kept in a file.
+
+    Sans I/O, as ``board.SignedOnce``: ``save`` gets the new state whenever a mark rises;
+    :meth:`in_file` keeps it in a JSON file."""
+
+    def __init__(self, state: dict[str, int] | None = None,
+                 save: Callable[[dict[str, int]], None] | None = None) -> None:
+        self.state: dict[str, int] = dict(state or {})
+        self._save = save
+
+    def of(self, run_id: str) -> int:
+        """The mark for ``run_id`` (0: nothing certified seen yet)."""
+        return self.state.get(run_id, 0)
+
+    def raise_to(self, run_id: str, round_index: int) -> None:
+        """Raise the mark to ``round_index`` (never lowers it), saving before returning."""
+        if round_index > self.of(run_id):
+            self.state[run_id] = round_index
+            if self._save is not None:
+                self._save(dict(self.state))
+
+    @classmethod
+    def in_file(cls, path: Path | None) -> CertifiedMark:
+        """A mark kept in the JSON file ``path`` (read now, rewritten atomically when it
+        rises); in memory only when ``path`` is None."""
+        if path is None:
+            return cls()
+        state = json.loads(path.read_text()) if path.exists() else {}
+        if not isinstance(state, dict) or not all(
+                isinstance(k, str) and type(v) is int and v >= 0 for k, v in state.items()):
+            raise ValueError(f"{path} does not hold a certified-round mark")
+
+        def save(new: dict[str, int]) -> None:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(new, sort_keys=True))
+            os.replace(tmp, path)
+
+        return cls(state, save)

@@ -120,7 +120,12 @@ def test_a_split_round_is_voided_and_the_run_goes_on_from_the_same_base(tmp_path
     each digest chained) and round 2 opens on round 0's certified model, vouched for by
     round 0's certificate (the newest before it)."""
     from veritrain.ledger.audit import verify_events
-    from veritrain.protocol.certificates import base_round, certified_base
+    from veritrain.protocol.certificates import (
+        CERTIFIED_MARK_FILE,
+        CertifiedMark,
+        base_round,
+        certified_base,
+    )
     from veritrain.protocol.encoding import decode_canonical
     from veritrain.protocol.errors import RejectedInput
 
@@ -175,6 +180,16 @@ def test_a_split_round_is_voided_and_the_run_goes_on_from_the_same_base(tmp_path
     assert certified_base(run.spec, genesis)[0] == run.spec.genesis_model_hash
     with pytest.raises(RejectedInput, match="rollback"):
         certified_base(run.spec, genesis, newest_certified=1)
+    # The mark survives a restart: a node that kept it in its state directory refuses the
+    # rollback after coming back (a fresh mark in memory would take it).
+    mark_file = tmp_path / "node-state" / CERTIFIED_MARK_FILE
+    mark_file.parent.mkdir()
+    CertifiedMark.in_file(mark_file).raise_to("split-run", base_round(nxt))
+    restarted = CertifiedMark.in_file(mark_file)
+    assert restarted.of("split-run") == 1 and restarted.of("another-run") == 0
+    with pytest.raises(RejectedInput, match="rollback"):
+        certified_base(run.spec, genesis, newest_certified=restarted.of("split-run"))
+    assert certified_base(run.spec, genesis, newest_certified=CertifiedMark().of("split-run"))
     voided = [decode_canonical(e.body) for e in events if e.kind == "round_voided"]
     assert len(voided) == 1 and voided[0]["round"] == 1
     assert voided[0]["reason"].startswith("split: 3 results certify 3")
@@ -229,3 +244,28 @@ def test_a_round_without_a_quorum_by_certify_seconds_is_voided(tmp_path):
     assert [e.kind for e in events][-2:] == ["round_voided", "run_finished"]
     audit = verify_events(events, key)
     assert audit.ok, audit.problem
+
+
+def test_nodes_keep_their_certified_mark_in_their_state_directory(tmp_path):
+    """A worker and a validator restarted on the same state directory hold the ledger to
+    the newest certified round they had taken a base from; a damaged mark file is refused
+    rather than silently reset to 0 (which would re-open the rollback)."""
+    from veritrain.protocol.certificates import CERTIFIED_MARK_FILE, CertifiedMark
+    from veritrain.validators.node import ValidatorConfig, ValidatorNode
+    from veritrain.workers.node import WorkerConfig, WorkerNode
+
+    wdir, vdir = tmp_path / "worker", tmp_path / "validator"
+    worker = WorkerNode(WorkerConfig("http://127.0.0.1:9", wdir), Identity.generate("worker"))
+    validator = ValidatorNode(ValidatorConfig("http://127.0.0.1:9", state_dir=vdir),
+                              Identity.generate("validator"))
+    worker.certified_mark.raise_to("run-a", 4)
+    worker.certified_mark.raise_to("run-a", 2)  # never lowered
+    validator.certified_mark.raise_to("run-a", 7)
+    assert WorkerNode(WorkerConfig("http://127.0.0.1:9", wdir),
+                      Identity.generate("worker")).certified_mark.of("run-a") == 4
+    again = ValidatorNode(ValidatorConfig("http://127.0.0.1:9", state_dir=vdir),
+                          Identity.generate("validator"))
+    assert again.certified_mark.of("run-a") == 7 and again.certified_mark.of("run-b") == 0
+    (vdir / CERTIFIED_MARK_FILE).write_text('{"run-a": -1}')
+    with pytest.raises(ValueError, match="certified-round mark"):
+        CertifiedMark.in_file(vdir / CERTIFIED_MARK_FILE)

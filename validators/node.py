@@ -43,7 +43,7 @@ from veritrain.protocol.beacon import (
     verify_fixed_beacon,
 )
 from veritrain.protocol.board import BoardFault, SignedOnce
-from veritrain.protocol.certificates import base_round
+from veritrain.protocol.certificates import CERTIFIED_MARK_FILE, CertifiedMark, base_round
 from veritrain.protocol.challenges import ChallengePolicy, max_reveal_file_bytes
 from veritrain.protocol.errors import NonFiniteError, PayloadError, RejectedInput
 from veritrain.protocol.identity import Identity
@@ -163,9 +163,11 @@ class ValidatorNode:
         #: verifies beacons and never signs them) and the group result a quorum signed.
         self.dkg_node: DkgNode | None = None
         self.dkg_result: dkg.DkgResult | None = None
-        #: The newest certified round this node took a base from: the ledger cannot roll
-        #: it back to an older one (``certified_base``).
-        self.newest_certified = 0
+        #: The newest certified round this node took a base from, per run, kept in
+        #: ``state_dir``: the ledger cannot roll it back to an older one, even across a
+        #: restart (``certified_base``).
+        self.certified_mark = CertifiedMark.in_file(
+            config.state_dir / CERTIFIED_MARK_FILE if config.state_dir is not None else None)
 
     async def run(self, *, max_rounds: int | None = None) -> None:
         async with LedgerClient(self.config.ledger_url, retry_for=self.config.retry_for) as client:
@@ -524,8 +526,8 @@ class ValidatorNode:
         release_free_memory()  # what building the run and earlier rounds left behind
         model_file, outer_file = await fetch_base_files(
             client, run.spec, info, max_model_bytes=run.max_model_bytes,
-            newest_certified=self.newest_certified)
-        self.newest_certified = max(self.newest_certified, base_round(info))
+            newest_certified=self.certified_mark.of(run.spec.run_id))
+        self.certified_mark.raise_to(run.spec.run_id, base_round(info))
         base_flat = run.decode_model(model_file)
         del model_file
         # The outer state is needed only for the outer step: on disk until then.

@@ -23,7 +23,13 @@ from typing import Any
 
 import torch
 from veritrain.ledger.client import LedgerClient, LedgerRefused, fetch_base_files, fetch_run
-from veritrain.protocol.certificates import InvalidCertificate, base_round, verify_certificate
+from veritrain.protocol.certificates import (
+    CERTIFIED_MARK_FILE,
+    CertifiedMark,
+    InvalidCertificate,
+    base_round,
+    verify_certificate,
+)
 from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.encoding import decode_canonical
 from veritrain.protocol.errors import RejectedInput
@@ -118,9 +124,11 @@ class WorkerNode:
         self.hashing = CommitPool.for_device(config.device)
         self.refused: set[int] = set()
         self.ledger_key = ""
-        #: The newest certified round this node took a base from: the ledger cannot roll
-        #: it back to an older one (``certified_base``).
-        self.newest_certified = 0
+        #: The newest certified round this node took a base from, per run, kept in
+        #: ``state_dir``: the ledger cannot roll it back to an older one, even across a
+        #: restart (``certified_base``).
+        config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.certified_mark = CertifiedMark.in_file(config.state_dir / CERTIFIED_MARK_FILE)
         self.stats: list[dict[str, Any]] = []  # one entry per submitted round
 
     async def run(self, *, max_rounds: int | None = None) -> int:
@@ -188,7 +196,7 @@ class WorkerNode:
             return state.model_vector("params")
         if kept is not None and r > 0 and kept["round"] == r - 1:
             cert = verify_certificate(info["base_certificate"], run.spec, base_of_round=r)
-            self.newest_certified = max(self.newest_certified, cert.round)
+            self.certified_mark.raise_to(run.spec.run_id, cert.round)
             if cert.model_hash == target:
                 payload = await client.get_blob(
                     cert.update_hash, max_bytes=run.codec.max_encoded_size(run.numel))
@@ -204,8 +212,8 @@ class WorkerNode:
                             "model here; downloading it in full", r)
         params, outer = run.decode_base(*await fetch_base_files(
             client, run.spec, info, max_model_bytes=run.max_model_bytes,
-            newest_certified=self.newest_certified))
-        self.newest_certified = max(self.newest_certified, base_round(info))
+            newest_certified=self.certified_mark.of(run.spec.run_id)))
+        self.certified_mark.raise_to(run.spec.run_id, base_round(info))
         state.keep_model(r, target, params, outer.momentum)
         del outer
         release_free_memory()  # the downloaded files and the momentum: not needed to train
