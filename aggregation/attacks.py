@@ -149,16 +149,26 @@ def free_rider(
     return gaussian_noise(x, f, std=noise_std, generator=generator)
 
 
-def mimic(honest: Tensor, f: int, *, target: int = 0) -> Tensor:
+def mimic(honest: Tensor, f: int, *, target: int = 0, jitter: float = 0.0,
+          generator: torch.Generator | None = None) -> Tensor:
     """Mimic (Karimireddy, He, Jaggi 2022): every Byzantine row copies honest row ``target``.
 
-    Over-represents one worker's data, hurting heterogeneous training.
+    Over-represents one worker's data, hurting heterogeneous training.  ``jitter`` > 0
+    adds to each copy its own Gaussian noise of norm ``jitter`` times the honest rows'
+    median pairwise distance, so the copies are no longer copies (``copies.py`` counts
+    rows within 1% of that distance once; 3% evades it).
     """
     x, f = _honest(honest, f)
     target = check_count(target, "target", minimum=0)
     if target >= x.shape[0]:
         raise AggregationInputError(f"target {target} out of range for {x.shape[0]} honest rows")
-    return _repeat(x[target], f)
+    rows = _repeat(x[target], f)
+    if jitter > 0 and f:
+        spread = torch.pdist(x.double()).median() if x.shape[0] > 1 else x[target].norm()
+        noise = torch.randn(rows.shape, generator=generator, dtype=torch.float64)
+        noise *= float(jitter) * float(spread) / noise.norm(dim=1, keepdim=True)
+        rows = (rows.double() + noise).to(x.dtype)
+    return rows
 
 
 def line_maximize(

@@ -269,8 +269,9 @@ def clip_radius(
     """``tau = max(tau_rel * lower_median_i ||x_i - GM(x)||, 1e-12)``, GM the (weighted)
     geometric median, over the rows of positive weight: one Gram pass.
 
-    The radius ``centered_clip_rows(rows, weights, tau_rel=tau_rel)`` uses (the same
-    float), for callers that need it before or without aggregating.
+    The radius ``centered_clip_rows(rows, weights, tau_rel=tau_rel)`` uses from the
+    geometric-median start when its Gram needs no escalation (the same float), for callers
+    that need it before or without aggregating; copies count once (``copies.py``).
     """
     tau_rel = check_positive_real(tau_rel, "tau_rel")
     rows = check_rows(rows)
@@ -309,10 +310,13 @@ def centered_clip_rows(
                    start="median": the coordinate-wise median)
         v_{t+1} = v_t + sum_i w_i (x_i - v_t) min(1, tau / ||x_i - v_t||) / sum_i w_i
 
-    with copies sharing one row's weight throughout (``copies.share_copies``: rows
-    within 1% of the median distance between rows count as one).  Exactly one of ``tau`` (the radius) or ``tau_rel``: tau = tau_rel * lower median
-    over the rows of positive weight of ||x_i - GM(x)|| (``clip_radius``; the same
-    float for either start).  At most ``iterations`` steps, stopping once a step is
+    with copies weighing as one row (``copies.share_copies``: rows within 1% of the
+    rows' typical distance) in the geometric median, the radius and the steps; the
+    coordinate median is taken before the Gram and counts them in full.  Exactly one of
+    ``tau`` (the radius) or ``tau_rel``: tau = tau_rel * lower median over the rows of
+    positive weight of ||x_i - GM(x)|| (``clip_radius``, the same float when the
+    geometric-median start needs no escalation; the median start's Gram rounds it
+    differently, to about 1e-6).  At most ``iterations`` steps, stopping once a step is
     <= tol * tau.  Returns ``(v, RowsClipStats)``: v [D] in the rows' dtype, the clip
     factors at v and the radius used.
     """

@@ -4,12 +4,17 @@ Distinct honest workers train on distinct data, so no two of their pseudo-gradie
 are the same vector.  Rows that are add weight to one point and no information: the
 mimic attack (Karimireddy, He and Jaggi, ICLR 2022), where the Byzantine rows copy one
 honest row to over-represent its data, or one owner's Sybil identities sending one
-update.  CenteredClip (the run default; ``centered_clip_rows`` and ``clip_radius``)
-counts each group of copies as one row, from the Gram it already has (no pass):
+update.  CenteredClip (the run default: ``centered_clip_rows``, and ``clip_radius``)
+counts each group of copies as one row, from the Gram it already has (no pass); the
+coordinate-median start (``start="median"``) is computed before the Gram and counts
+them in full, and so do the in-memory starts (``"mean"``, ``"zero"``, a vector):
 
     copies:  ||x_i - x_j||^2 <= COPY_RADIUS^2 * lower_median_k lower_median_{l != k} ||x_k - x_l||^2
     groups:  connected components of "copies"
-    w'_g = sum_{i in g} w_i / |g|  on the group's first row, 0 on the others; normalized
+    w'_g = max_{i in g} w_i  on the group's first row, 0 on the others; normalized
+
+(plus the Gram's rounding bound, ``4 rel e_i e_j``: identical rows are copies even when
+they are most rows and the typical distance is 0)
 
 over the rows of positive weight.  Honest rows sit at about the median distance from
 each other (distances between high-dimensional noisy vectors concentrate), a hundred
@@ -52,8 +57,10 @@ def copy_groups(gram: Gram, wn: Tensor) -> list[list[int]]:
     if m < 2:
         return []
     sq = pairwise_sq_dists(gram.matrix[active][:, active])
-    limit = COPY_RADIUS**2 * spread_sq(sq)
-    close = (sq <= limit).tolist()
+    scale = gram.err_scale[active]
+    # the Gram's own rounding (identical rows may differ by it), as when copies are most rows
+    rounding = 4.0 * gram.rel_error * scale[:, None] * scale[None, :]
+    close = (sq <= COPY_RADIUS**2 * spread_sq(sq) + rounding).tolist()
     label = list(range(m))
     for i in range(m):  # connected components, labelled by their smallest member
         for j in range(i + 1, m):
@@ -67,15 +74,15 @@ def copy_groups(gram: Gram, wn: Tensor) -> list[list[int]]:
 
 
 def share_copies(gram: Gram, wn: Tensor) -> tuple[Tensor, list[list[int]]]:
-    """``(w', groups)``: the normalized weights with each group of copies weighing as one
-    row of the group's mean weight, all of it on the group's first row (the others, the
-    same point, get 0: every "row of positive weight" count, median and start then sees
-    the group once), and the groups; ``wn`` itself when there are none."""
+    """``(w', groups)``: the normalized weights with each group of copies weighing as its
+    heaviest row (copies add no weight and take none), all of it on the group's first row
+    (the others, the same point, get 0: every "row of positive weight" count, median and
+    start then sees the group once), and the groups; ``wn`` itself when there are none."""
     groups = copy_groups(gram, wn)
     if not groups:
         return wn, []
     shared = wn.clone()
     for group in groups:
-        shared[group[0]] = wn[group].sum() / len(group)
+        shared[group[0]] = wn[group].max()
         shared[group[1:]] = 0.0
     return shared / shared.sum(), groups

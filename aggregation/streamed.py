@@ -135,18 +135,19 @@ def _columns(rows: Rows, a: int, b: int, buf: Tensor) -> Tensor:
     return rows.read(a, b, buf[: n * (b - a)].view(n, b - a))
 
 
-def _gram_chunk(rows: Rows, chunk: int, *, in_place: bool) -> int:
-    """Columns per step of a Gram pass: whole ``UNIT``s (at least ``chunk`` rounded up); for
-    aligned rows in CPU memory read in place (no buffer), as many units as
-    ``IN_MEMORY_GRAM_BYTES`` of products allow."""
+def _gram_chunk(rows: Rows, chunk: int, *, in_place: bool) -> tuple[int, bool]:
+    """Columns per step of a Gram pass, and whether the rows are read in place (no buffer):
+    whole ``UNIT``s (at least ``chunk`` rounded up); for aligned rows in CPU memory read in
+    place, as many units as ``IN_MEMORY_GRAM_BYTES`` of products allow (counted as float32
+    subblock products: float64 rows, one product per unit, hold fewer)."""
     units = max(1, -(-chunk // UNIT)) * UNIT
     if in_place and isinstance(rows, TensorRows) and _device(rows).type == "cpu":
         whole = rows.updates
         size = whole.element_size()
         if (whole.stride(0) * size) % 64 == 0 and whole.data_ptr() % 64 == 0:
             per_unit = (UNIT // SUBBLOCK) * rows.n_rows**2 * 4
-            return max(units, IN_MEMORY_GRAM_BYTES // per_unit * UNIT)
-    return units
+            return max(units, IN_MEMORY_GRAM_BYTES // per_unit * UNIT), True
+    return units, False
 
 
 def _gram_pass(rows: Rows, *, ref: int | None, wide: bool, chunk: int) -> Tensor:
@@ -162,13 +163,13 @@ def _gram_pass(rows: Rows, *, ref: int | None, wide: bool, chunk: int) -> Tensor
     dev = _device(rows)
     work_dtype = torch.float64 if wide else rows.dtype
     centred = ref is not None
-    chunk = _gram_chunk(rows, chunk, in_place=not centred)
+    chunk, in_place = _gram_chunk(rows, chunk, in_place=not centred)
     width = min(chunk, d)
 
     def buffers() -> tuple[Tensor, Tensor | None, Tensor | None]:
         if not centred:
             # rows read in place need none (a short unaligned last chunk is copied)
-            size = 0 if chunk > UNIT else n * width
+            size = 0 if in_place else n * width
             return torch.empty(size, dtype=rows.dtype, device=dev), None, None
         return (
             torch.empty(n * width, dtype=rows.dtype, device=dev),

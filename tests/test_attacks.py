@@ -259,3 +259,14 @@ def test_sign_perturbation_moves_every_coordinate_against_the_mean():
     best = damage(CoordinateMedian(), x, atk.sign_perturbation(x, F, z))
     for probe in [0.0, 0.5, 1.0, 2.0, 4.0]:
         assert best >= damage(CoordinateMedian(), x, atk.sign_perturbation(x, F, probe)) - 1e-12
+
+
+def test_jittered_mimic_rows_are_near_the_target_but_no_longer_copies():
+    x = honest()
+    gen = torch.Generator().manual_seed(3)
+    rows = atk.mimic(x, F, target=1, jitter=0.03, generator=gen)
+    spread = float(torch.pdist(x.double()).median())
+    offsets = (rows.double() - x[1].double()).norm(dim=1)
+    assert torch.allclose(offsets, torch.full_like(offsets, 0.03 * spread), rtol=1e-4)
+    assert float(torch.pdist(rows.double()).min()) > 0.01 * spread  # beyond the copy radius
+    assert torch.equal(atk.mimic(x, F, target=1), x[1].expand(F, D))

@@ -93,10 +93,21 @@ def test_copies_group_transitively_and_weights_stay_normalized() -> None:
     assert float(shared[6]) == float(shared[7]) == float(shared[8]) == 0.0
 
 
-def test_weighted_copies_share_their_mean_weight() -> None:
+def test_weighted_copies_weigh_as_their_heaviest_row() -> None:
     x = honest_rows(5, 100, 4, torch.float64)
     rows = torch.cat([x, x[1:2]])
     weights = torch.tensor([1.0, 3.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
-    # the copies (weights 3 and 1) weigh as one row of weight 2
-    expected = cc(x, torch.tensor([1.0, 2.0, 1.0, 1.0, 1.0], dtype=torch.float64))
+    # the copies (weights 3 and 1) weigh as their heaviest row: a light copy takes nothing
+    expected = cc(x, torch.tensor([1.0, 3.0, 1.0, 1.0, 1.0], dtype=torch.float64))
     assert rel(cc(rows, weights), expected) < 1e-5
+
+
+def test_copies_that_are_most_rows_still_group() -> None:
+    """Nine copies of one row among 16: the typical distance is 0, and the Gram's rounding
+    allowance still groups them, so they weigh as one row against the seven others."""
+    x = honest_rows(7, 3000, 11)
+    rows = torch.cat([x, x[3].expand(9, 3000)])
+    wn = torch.full((16,), 1.0 / 16, dtype=torch.float64)
+    groups = copy_groups(gram_rows(TensorRows(rows)), wn)
+    assert groups == [[3, *range(7, 16)]]
+    assert rel(cc(rows), cc(x)) <= 1e-5

@@ -441,3 +441,31 @@ def test_peak_resident_memory_does_not_grow_with_n(tmp_path):
     print(f"peak extra resident memory: {peak} bytes for D = {d}")
     assert peak[16] < 2 * 4 * d < stack16 / 5  # one [D] vector, not two
     assert abs(peak[16] - peak[4]) < 4 * d  # growing with N would add 12 x 4 x D here
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gram_bytes_do_not_depend_on_the_source_the_chunking_or_the_threads(tmp_path, threads):
+    """Aligned rows in memory take one batched product over many units, a row file one
+    per unit, an unaligned view a copy per chunk: the Gram (hence every streamed rule)
+    has the same bytes from each, with any chunk (a file read in chunks above a unit
+    too), on one thread or two."""
+    from veritrain.aggregation.gram import UNIT
+    from veritrain.aggregation.streamed import gram_rows
+
+    d = 3 * UNIT + 2000  # a multiple of 16: rows in memory are read in place
+    x = _rows(6, d, 31, outliers=1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        reference = gram_rows(TensorRows(x)).matrix
+        files = _file_rows(x, tmp_path)
+        unaligned = torch.empty(6, d + 3)[:, 3:]
+        unaligned.copy_(x)
+        for source, chunk in [(files, ROWS_CHUNK), (files, 2 * UNIT + 5), (files, 1),
+                              (TensorRows(unaligned), ROWS_CHUNK), (TensorRows(x), 7)]:
+            assert torch.equal(gram_rows(source, chunk=chunk).matrix, reference), chunk
+        v, stats = centered_clip_rows(files, tau_rel=1.0, chunk=2 * UNIT)
+        w, mem_stats = centered_clip_rows(TensorRows(x), tau_rel=1.0)
+        assert torch.equal(v, w) and stats.tau == mem_stats.tau
+    finally:
+        torch.set_num_threads(before)

@@ -39,8 +39,8 @@ update is only rejected if it makes the probe loss *worse*, and by more than the
 honest spread, so an honest worker whose shard happens to help less is never
 rejected for it. The MAD term keeps honest updates that cost a little probe loss
 late in training, when gains straddle zero. Label flipping, sign flipping,
-inner-product manipulation and noise raise the probe loss well beyond that and
-are removed before the robust aggregate.
+inner-product manipulation and noise raise the probe loss well beyond that and,
+when they are a group, are removed before the robust aggregate.
 The filter acts against groups: it excludes only when more than an eighth of the
 round's rows fall below the floor (``GROUP_SHARE``; three or more of 16). One or two
 suspects are left to CenteredClip, whose clip bound already holds them (k rows move

@@ -44,7 +44,7 @@ WORKER_SIDE_ATTACKS = ("free_rider", "sign_flip", "label_flip")
 #: direction (aggregation/attacks.py): ``min_max_unit`` ... ``min_sum_std``.
 SHEJWALKAR_ATTACKS = tuple(f"{kind}_{direction}" for kind in ("min_max", "min_sum")
                            for direction in A.DIRECTIONS)
-OMNISCIENT_ATTACKS = ("alie", "ipm", "gaussian", "zeros", "mimic", "optimal_alie",
+OMNISCIENT_ATTACKS = ("alie", "ipm", "gaussian", "zeros", "mimic", "mimic_jitter", "optimal_alie",
                       "optimal_ipm", "optimal_sign", *SHEJWALKAR_ATTACKS)
 ATTACKS = WORKER_SIDE_ATTACKS + OMNISCIENT_ATTACKS
 
@@ -138,6 +138,8 @@ class Swarm:
             return A.free_rider(honest, f)
         if attack == "mimic":
             return A.mimic(honest, f)
+        if attack == "mimic_jitter":
+            return A.mimic(honest, f, jitter=0.03, generator=gen)
         if attack in SHEJWALKAR_ATTACKS:
             kind, direction = attack.rsplit("_", 1)
             return (A.min_max if kind == "min_max" else A.min_sum)(honest, f, direction)
