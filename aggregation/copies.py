@@ -13,8 +13,9 @@ them in full, and so do the in-memory starts (``"mean"``, ``"zero"``, a vector):
     groups:  connected components of "copies"
     w'_g = max_{i in g} w_i  on the group's first row, 0 on the others; normalized
 
-(plus the Gram's rounding bound, ``4 rel e_i e_j``: identical rows are copies even when
-they are most rows and the typical distance is 0)
+(the squared distance plus its rounding bound ``rel (e_i + e_j)^2`` under the limit: a
+distance the Gram cannot resolve is never taken for a copy; so copies that are most of
+the rows, whose typical distance is 0, stay rows: beyond the breakdown point anyway)
 
 over the rows of positive weight.  Honest rows sit at about the median distance from
 each other (distances between high-dimensional noisy vectors concentrate), a hundred
@@ -58,9 +59,11 @@ def copy_groups(gram: Gram, wn: Tensor) -> list[list[int]]:
         return []
     sq = pairwise_sq_dists(gram.matrix[active][:, active])
     scale = gram.err_scale[active]
-    # the Gram's own rounding (identical rows may differ by it), as when copies are most rows
-    rounding = 4.0 * gram.rel_error * scale[:, None] * scale[None, :]
-    close = (sq <= COPY_RADIUS**2 * spread_sq(sq) + rounding).tolist()
+    # What the Gram cannot resolve is never called a copy: the distance's rounding bound
+    # rel (e_i + e_j)^2 must fit under the limit too (rows far from the Gram's reference,
+    # with tiny differences, would otherwise round to 0 and look like copies).
+    rounding = gram.rel_error * (scale[:, None] + scale[None, :]) ** 2
+    close = (sq + rounding <= COPY_RADIUS**2 * spread_sq(sq)).tolist()
     label = list(range(m))
     for i in range(m):  # connected components, labelled by their smallest member
         for j in range(i + 1, m):
