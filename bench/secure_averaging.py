@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/secure_averaging.py [--d 4000000] [--bucket 8] [--n 16]
         [--validators 4] [--repeats 9] [--seeds 200] [--threads T] [--torch-threads T]
-        [--only masking|sharding|robustness] [--robustness] [--rounds 20] [--no-spot-checks]
+        [--only masking|sharding|checking|robustness] [--robustness] [--rounds 20]
+        [--no-spot-checks]
 
 **Masked buckets** (one bucket of ``--bucket`` workers, D = ``--d`` float32):
 
@@ -600,6 +601,73 @@ def report_projection(pj: dict[str, float], args: argparse.Namespace) -> float:
     return ratio
 
 
+# -- sharded checking: cost per validator, linear in V -------------------------------
+
+#: Shard counts the checking table covers (issue #29 item 4).
+CHECK_VALIDATORS = (4, 16, 64)
+#: Checkers per shard (``aggregator.shard_checkers``) the table prices, besides all V - 1.
+CHECKERS = (4, 16)
+
+
+def escape_probability(validators: int, byzantine: int, checkers: int) -> float:
+    """Chance that every checker drawn for a faulty shard is Byzantine (its publisher is one
+    of the ``byzantine`` validators; its ``checkers`` come from the V - 1 others, drawn from
+    the check seed after the results are fixed): C(f - 1, k) / C(V - 1, k), 0 once k >= f.
+    One honest checker settles it: the dense check misses no deviation above R."""
+    k = min(checkers, validators - 1)
+    return math.comb(byzantine - 1, k) / math.comb(validators - 1, k) if byzantine > 0 else 0.0
+
+
+def bench_checking(n: int, d: int, repeats: int) -> list[dict[str, float]]:
+    """Per V: one shard's production ``dense_check`` and ``aggregate_shard`` on the same
+    rows (interleaved), and what a validator spends checking with k checkers per shard."""
+    from veritrain.validators.sharded import dense_check
+
+    x = _updates(n, d)
+    tau_full = float(torch.linalg.vector_norm(x - x.mean(0), dim=1).median())
+    rows = []
+    for v in CHECK_VALIDATORS:
+        bound = shard_bounds(d, v)[0]
+        tau = shard_tau(tau_full, d, bound)
+        result = aggregate_shard(x, None, shard=0, num_shards=v, tau=tau)
+        assert dense_check(result, x, num_shards=v, tau=tau).ok
+        t = _interleaved({
+            "check": lambda: dense_check(result, x, num_shards=v, tau=tau),  # noqa: B023
+            "aggregate": lambda: aggregate_shard(x, None, shard=0, num_shards=v, tau=tau),  # noqa: B023
+        }, repeats)
+        rows.append({"validators": v, "shard": bound[1] - bound[0], **t})
+    return rows
+
+
+def report_checking(rows: list[dict[str, float]]) -> float:
+    """Print the table; return a validator's checking at V = 64, k = 16, over its own shard's
+    aggregation."""
+    print("sharded checking (issue #29): one shard's dense check against its aggregation, "
+          "and what one validator checks with k checkers per shard (drawn from the check "
+          "seed) against its own shard's aggregation; escape: all k checkers of a faulty "
+          "shard Byzantine, f = floor((V - 1) / 3)")
+    head = "".join(f"  k={k}: cost, escape   " for k in CHECKERS)
+    print(f"  {'V':>3} {'shard':>9} {'check ms':>9} {'agg ms':>8} {'check/agg':>9}  "
+          f"all V-1: cost  {head}")
+    out = math.nan
+    for r in rows:
+        v, ratio = int(r["validators"]), r["check"] / r["aggregate"]
+        f = (v - 1) // 3
+        cells = ""
+        for k in CHECKERS:
+            kk = min(k, v - 1)
+            cost = kk * ratio
+            cells += f"  {cost:9.2f}x {escape_probability(v, f, kk):9.1e}  "
+            if v == 64 and k == 16:
+                out = cost
+        print(f"  {v:>3} {int(r['shard']):>9,} {r['check'] * 1e3:9.1f} {r['aggregate'] * 1e3:8.1f} "
+              f"{ratio:9.3f}  {(v - 1) * ratio:12.2f}x{cells}")
+    print("  (the dense check misses no deviation above R = ETA_V sum_i a_i ||x_i|| + "
+          "2^-149 sqrt(n), about 2^-20 of the rows' norms: with one honest checker the "
+          "escape probability of any harmful deviation is 0)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", type=int, default=4_000_000)
@@ -617,7 +685,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        choices=("masking", "sharding", "robustness"),
+        choices=("masking", "sharding", "checking", "robustness"),
         default=None,
         help="run one part (robustness: the swarm runs alone, implies --robustness)",
     )
@@ -642,6 +710,9 @@ def main() -> None:
     if args.only in (None, "sharding"):
         pj = bench_projection(args.n, args.d, args.validators, args.repeats, args.seeds)
         ratio = report_projection(pj, args)
+    checking = None
+    if args.only in (None, "checking"):
+        checking = report_checking(bench_checking(args.n, args.d, args.repeats))
 
     rob = "n/a"
     args.robustness = args.robustness or args.only == "robustness"
@@ -683,7 +754,9 @@ def main() -> None:
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
     print(
         f"secure_averaging: mask_overhead={fmt(overhead, '.2f')}x "
-        f"projection_check_vs_recompute={fmt(ratio, '.4f')} robustness_worst_vs_clean f3={rob}"
+        f"projection_check_vs_recompute={fmt(ratio, '.4f')} "
+        f"checking_per_validator_V64_k16={fmt(checking, '.2f')}x "
+        f"robustness_worst_vs_clean f3={rob}"
     )
 
 

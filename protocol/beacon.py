@@ -211,6 +211,28 @@ _VERIFIED: dict[tuple, bytes] = {}
 _VERIFY_LOCK = threading.Lock()
 
 
+def shard_checkers(seed: bytes, num_shards: int, per_shard: int) -> list[tuple[int, ...]]:
+    """Who checks each shard result of a sharded round: ``per_shard`` validators other than
+    its publisher (validator j publishes shard j), drawn from the round's check seed, which
+    is fixed after the results (so no publisher knows its checkers when it publishes).
+
+    A seeded permutation ``p`` of the validators (Fisher-Yates with
+    ``derive_seed(seed, "shard-checkers", i)``), then the checkers of shard j are the
+    ``per_shard`` validators after j in ``p``, cyclically: each shard gets ``per_shard``
+    distinct checkers and each validator checks exactly ``per_shard`` shards, so the
+    round's checking costs ``V * per_shard`` checks of one shard, linear in V.
+    ``per_shard`` of ``num_shards - 1`` or more: every other validator (ascending)."""
+    if per_shard >= num_shards - 1:
+        return [tuple(k for k in range(num_shards) if k != j) for j in range(num_shards)]
+    order = list(range(num_shards))
+    for i in range(num_shards - 1, 0, -1):
+        j = derive_seed(seed, "shard-checkers", i) % (i + 1)
+        order[i], order[j] = order[j], order[i]
+    place = {v: i for i, v in enumerate(order)}
+    return [tuple(sorted(order[(place[j] + t) % num_shards] for t in range(1, per_shard + 1)))
+            for j in range(num_shards)]
+
+
 def derive_seed(seed: bytes, label: str, *parts: bytes | str | int) -> int:
     """A 63-bit integer for one purpose (``label``) drawn from a beacon seed."""
     h = hashlib.sha256(b"veritrain/v1/derive" + seed + label.encode())

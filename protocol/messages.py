@@ -221,8 +221,8 @@ MASKED = f.record({
 })
 AGGREGATOR = f.record(
     {"name": f.string(200), "params": f.free_params(), "shards": f.integer(2, 256),
-     "masked": MASKED},
-    absent_ok=frozenset({"shards", "masked"}),
+     "shard_checkers": f.integer(1, 255), "masked": MASKED},
+    absent_ok=frozenset({"shards", "shard_checkers", "masked"}),
 )
 LIMITS = f.record({"max_payload_bytes": f.integer(1, 1 << 34)})
 REWARDS = f.record({"per_round": f.number(0.0, 1e18)})
@@ -333,13 +333,24 @@ class RunSpec(Message):
         0 when one validator aggregates everything alone."""
         return int(self.aggregator.get("shards", 0))
 
+    @property
+    def shard_checkers(self) -> int:
+        """How many other validators check each shard result (``aggregator.shard_checkers``,
+        drawn from the check seed: ``beacon.shard_checkers``); absent: every other one."""
+        return int(self.aggregator.get("shard_checkers", max(self.shards - 1, 0)))
+
     def sharding_problem(self) -> str | None:
         """Why ``aggregator.shards`` cannot run, or None (specs/secure-averaging.md E):
         sharding computes the CenteredClip fixed point, one shard per validator."""
         if not self.shards:
+            if "shard_checkers" in self.aggregator:
+                return "shard_checkers without shards"
             return None
         if self.aggregator["name"] != "centered_clip":
             return "sharded aggregation needs the centered_clip aggregator"
+        if not 1 <= self.shard_checkers <= self.shards - 1:
+            return (f"{self.shard_checkers} checkers per shard: between 1 and the "
+                    f"{self.shards - 1} other validators")
         if self.shards != len(self.validators):
             return (f"{self.shards} shards for {len(self.validators)} validators: "
                     "each validator aggregates one shard")

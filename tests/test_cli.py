@@ -318,7 +318,8 @@ def test_ledger_serve_logs_its_own_lines_only(tmp_path):
 
 @pytest.mark.parametrize("args, expected", [
     (["--workers", "2"], "at least 3 workers"),
-    (["--shard-cheater"], "--shard-cheater needs --sharded"),
+    (["--shard-cheater"], "--shard-cheater and --shard-checkers need --sharded"),
+    (["--shard-checkers", "1"], "--shard-cheater and --shard-checkers need --sharded"),
     (["--sharded", "--validators", "2"], "--sharded needs at least 3 validators"),
     (["--masked-buckets", "3", "--sharded"], "does not combine with --sharded"),
 ])

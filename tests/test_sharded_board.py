@@ -19,10 +19,15 @@ from fakes import validator_identities
 from veritrain.aggregation.secure import ShardResult, assemble_shards
 from veritrain.aggregation.secure.sharding import fixed_point_coefficients
 from veritrain.ledger.client import LedgerRefused
-from veritrain.protocol.beacon import compute_beacon_seed, shard_check_root
+from veritrain.protocol.beacon import compute_beacon_seed, shard_check_root, shard_checkers
 from veritrain.protocol.board import BoardFault, SignedOnce
 from veritrain.protocol.identity import Identity
-from veritrain.protocol.messages import ShardCheckShare, ShardPublication, sign
+from veritrain.protocol.messages import (
+    ShardCheckShare,
+    ShardFindingReport,
+    ShardPublication,
+    sign,
+)
 from veritrain.protocol.tensors import sha256_hex
 from veritrain.validators import sharded
 from veritrain.validators.round import FilteredRound
@@ -43,10 +48,11 @@ LEDGER = Identity.generate("validator")  # the ledger's own key, registered nowh
 INPUTS = "cd" * 32
 
 
-def _spec(run_id: str = RUN) -> Any:
+def _spec(run_id: str = RUN, checkers: int = V - 1) -> Any:
     keys = [{"ed25519": v.public_key.hex(), "bls": v.public.bls} for v in VALIDATORS]
     return types.SimpleNamespace(
         run_id=run_id, shards=V, quorum=QUORUM, num_params=3000, validators=keys,
+        shard_checkers=checkers,
         validator_index=lambda key: next((k for k, v in enumerate(keys)
                                           if v["ed25519"] == key), None))
 
@@ -145,13 +151,14 @@ def _block(result: ShardResult, at: int = 200) -> ShardResult:
 
 
 def _run(board: LyingBoard, rows: torch.Tensor, once: SignedOnce | None = None,
-         me: int = 0) -> tuple[torch.Tensor | None, ShardedRound, Exception | None]:
+         me: int = 0, spec: Any = SPEC
+         ) -> tuple[torch.Tensor | None, ShardedRound, Exception | None]:
     import asyncio
 
     node = ShardedRound(board, VALIDATORS[me], once or SignedOnce(), poll_seconds=0.0,
                         shard_wait=0.0)
     try:
-        return asyncio.run(node.aggregate(SPEC, _filtered(rows)))[0], node, None
+        return asyncio.run(node.aggregate(spec, _filtered(rows)))[0], node, None
     except BoardFault as exc:
         return None, node, exc
 
@@ -386,3 +393,100 @@ def test_a_result_that_fails_on_other_inputs_is_not_blamed(rows):
     assert [(d.shard, d.faulty) for d in settled.disputes] == [(2, False)]
     assert settled.disputes[0].reason.startswith("inputs_differ")
     assert torch.equal(settled.aggregate, assemble_shards(results, rows.shape[1]))
+
+
+# ------------------------------------------------------------------ checking linear in V
+
+
+@pytest.mark.parametrize("v", [2, 3, 4, 7, 16, 64])
+def test_each_shard_gets_its_checkers_and_each_validator_checks_as_many(v):
+    for k in range(1, v):
+        seed = bytes([v, k]) * 16
+        drawn = shard_checkers(seed, v, k)
+        assert drawn == shard_checkers(seed, v, k)  # a function of the seed
+        assert all(len(set(c)) == k and j not in c for j, c in enumerate(drawn))
+        load = [sum(i in c for c in drawn) for i in range(v)]
+        assert load == [k] * v
+    assert shard_checkers(b"s" * 32, v, v - 1) == shard_checkers(b"t" * 32, v, 99)
+    if v >= 16:
+        assert shard_checkers(b"s" * 32, v, 3) != shard_checkers(b"t" * 32, v, 3)
+
+
+def _ok(k: int, shard: int, digest: str, signer: Identity | None = None, *,
+        faulty: bool = False, reason: str = "ok") -> dict:
+    v = VALIDATORS[k]
+    return sign(signer or v, ShardFindingReport(
+        run_id=RUN, round=R, validator=v.public_key.hex(), shard=shard,
+        publisher=VALIDATORS[shard].public_key.hex(), faulty=faulty, reason=reason,
+        published_digest=digest, replacement_digest=digest,
+        max_abs_deviation=0.0)).to_wire()
+
+
+def _delegated_round(rows: torch.Tensor, corrupt: bool):
+    """Validator 0's view of a round with one checker per shard: the shard it checks, the
+    one it delegates (corrupted when asked: the seed depends on the listed results, so
+    the corruption is placed where the seed it yields leaves it delegated) and that
+    shard's checker."""
+    results = _honest(rows)
+    for other, at in [(1, 333), (2, 333), (1, 444), (2, 444), (1, 555), (2, 555)]:
+        published = list(results)
+        if corrupt:
+            published[other] = _block(results[other], at=at)
+        listed = [r.digest().hex() for r in published]
+        check, wires = _check(listed, [1, 2])
+        drawn = shard_checkers(bytes.fromhex(check["seed"]), V, 1)
+        if 0 not in drawn[other]:
+            break
+    assert 0 not in drawn[other]
+    mine, checker = 3 - other, drawn[other][0]
+    pubs = [_publication(r, VALIDATORS[k]) for k, r in enumerate(published)]
+    view = {"results": [w for w, _ in pubs], "list": listed, "check": check,
+            "check_shares": wires, "findings": []}
+    return results, listed, view, {sha256_hex(b): b for _, b in pubs}, mine, other, checker
+
+
+def _counting_dense_checks(monkeypatch) -> list[int]:
+    seen: list[int] = []
+    real = sharded.dense_check
+
+    def counted(result, *args, **kwargs):
+        seen.append(result.shard)
+        return real(result, *args, **kwargs)
+
+    monkeypatch.setattr(sharded, "dense_check", counted)
+    return seen
+
+
+def test_a_result_all_its_checkers_vouch_for_is_taken_unchecked(rows, monkeypatch):
+    """One checker per shard: validator 0 checks the shard drawn for it, posts an ok
+    finding for it, and takes the other on its checker's signed ok: one dense check, not
+    two, and the honest model."""
+    results, listed, view, blobs, mine, other, checker = _delegated_round(rows, False)
+    view["findings"] = [_ok(checker, other, listed[other])]
+    checked = _counting_dense_checks(monkeypatch)
+    aggregate, _, error = _run(LyingBoard([view], blobs), rows, spec=_spec(checkers=1))
+    assert error is None
+    assert torch.equal(aggregate, assemble_shards(results, rows.shape[1]))
+    assert checked == [mine]
+
+
+def test_a_doubted_or_unvouched_result_is_checked_here_and_a_bad_one_replaced(rows,
+                                                                              monkeypatch):
+    """The delegated shard is corrupted. Whether its checker reports it faulty, says
+    nothing by the deadline, or the board serves an ok that is not the checker's (signed by
+    the ledger, or by a validator not drawn for it), validator 0 checks it itself, catches
+    it, recomputes it and reports it; its own shard gets its ok finding."""
+    results, listed, view, blobs, mine, other, checker = _delegated_round(rows, True)
+    bystander = next(k for k in range(V) if k not in (checker, other))
+    for findings in ([_ok(checker, other, listed[other], faulty=True, reason="stationarity")],
+                     [],
+                     [_ok(checker, other, listed[other], signer=LEDGER),
+                      _ok(bystander, other, listed[other]), _ok(other, other, listed[other])]):
+        checked = _counting_dense_checks(monkeypatch)
+        board = LyingBoard([dict(view, findings=findings)], blobs)
+        aggregate, _, error = _run(board, rows, spec=_spec(checkers=1))
+        assert error is None
+        assert torch.equal(aggregate, assemble_shards(results, rows.shape[1]))
+        assert sorted(checked) == sorted([mine, other])
+        reported = {(f["shard"], f["faulty"], f["reason"]) for f in board.findings()}
+        assert reported == {(mine, False, "ok"), (other, True, "stationarity")}

@@ -31,7 +31,7 @@ from veritrain.aggregation.secure import (
 )
 from veritrain.ledger.audit import fetch_events, verify_events
 from veritrain.ledger.client import LedgerClient
-from veritrain.protocol.beacon import beacon_seed_of, shard_check_root
+from veritrain.protocol.beacon import beacon_seed_of, shard_check_root, shard_checkers
 from veritrain.protocol.errors import OversizedError, PayloadError
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import ShardCheckShare, ShardPublication, sign
@@ -200,16 +200,29 @@ def test_build_run_refuses_shards_that_do_not_match_the_validators():
     settings = _sharded_settings()
     with pytest.raises(ValueError, match="each validator aggregates one shard"):
         build_run(organiser, "bad-shards", settings, [v.public for v in validator_identities(2)])
+    for checkers in (0, V):  # at least one checker, at most the other validators
+        settings = _sharded_settings()
+        settings["aggregator"]["shard_checkers"] = checkers
+        with pytest.raises(ValueError, match="checker"):
+            build_run(organiser, "bad-shards", settings,
+                      [v.public for v in validator_identities(V)])
+    settings = _sharded_settings()
     settings["aggregator"]["name"] = "median"
     with pytest.raises(ValueError, match="centered_clip"):
         build_run(organiser, "bad-shards", settings, [v.public for v in validator_identities(V)])
 
 
-def test_three_validators_catch_a_shifted_shard_and_certify_the_honest_model(tmp_path):
+@pytest.mark.parametrize("checkers", [None, 1])
+def test_three_validators_catch_a_shifted_shard_and_certify_the_honest_model(tmp_path, checkers):
+    """Every validator checks every other shard (``shard_checkers`` absent), or one checker
+    per shard drawn from the check seed, the others taking its signed ok: either way the
+    shifted shard is caught, reported by both honest validators and recomputed."""
     organiser = Identity.generate("organiser")
     validators = validator_identities(V)
-    bundle = build_run(organiser, "shard-run", _sharded_settings(),
-                       [v.public for v in validators])
+    settings = _sharded_settings()
+    if checkers is not None:
+        settings["aggregator"]["shard_checkers"] = checkers
+    bundle = build_run(organiser, "shard-run", settings, [v.public for v in validators])
     run = RunContext.build(bundle.signed.message, bundle.dataset)
     base = run.decode_model(bundle.genesis)
     workers = [Identity.generate("worker") for _ in range(4)]
@@ -264,10 +277,18 @@ def test_three_validators_catch_a_shifted_shard_and_certify_the_honest_model(tmp
     # The faulty shard is recorded against its publisher by both honest validators.
     assert shards["faulty_shards"] == [cheat]
     reports = [f["body"] for f in shards["findings"]]
-    assert sorted(r["validator"] for r in reports) == sorted(
+    faulty = [r for r in reports if r["faulty"]]
+    assert sorted(r["validator"] for r in faulty) == sorted(
         v.public_key.hex() for k, v in enumerate(validators) if k != cheat)
-    assert all(r["shard"] == cheat and r["faulty"] and r["reason"] == "stationarity"
-               and r["publisher"] == validators[cheat].public_key.hex() for r in reports)
+    assert all(r["shard"] == cheat and r["reason"] == "stationarity"
+               and r["publisher"] == validators[cheat].public_key.hex() for r in faulty)
+    oks = sorted((r["shard"], r["validator"]) for r in reports if not r["faulty"])
+    if checkers is None:
+        assert oks == []  # every validator checked every shard itself: nothing to vouch
+    else:  # each honest shard vouched for by exactly the checker the seed drew for it
+        drawn = shard_checkers(bytes.fromhex(shards["check"]["seed"]), V, checkers)
+        assert oks == sorted((k, validators[c].public_key.hex())
+                             for k in range(V) if k != cheat for c in drawn[k])
     assert shards["check"] is not None and len(shards["list"]) == V
     # The certified aggregate is the honest one: every shard computed from the same rows.
     only = [Candidate(p.signed, p.payload) for p in preps.values()]

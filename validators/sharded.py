@@ -12,7 +12,11 @@ local aggregation step of a round (validators/round.py) with:
 3. ``settle_shards``: a dense check of every coordinate of every other listed result
    (``dense_check``: the stationarity residual's norm and the exact distances), an exact
    recomputation of what fails (the exact check decides whether its publisher is at
-   fault), and the full aggregate.
+   fault), and the full aggregate. With ``aggregator.shard_checkers = k`` below V - 1,
+   a validator checks only the k shards the check seed draws it for
+   (``beacon.shard_checkers``), signs an ``ok`` finding for each that passes, and takes
+   every other result on the word of all its checkers; one doubt, a missing verdict by
+   ``shard_wait`` or a non-ok finding, and it checks that shard itself.
 
 Everything but ``ShardedRound`` is a function of its inputs. specs/secure-averaging.md,
 sections A and E.
@@ -51,7 +55,7 @@ from veritrain.aggregation.secure.sharding import (
     malformation,
 )
 from veritrain.ledger.client import LedgerRefused
-from veritrain.protocol.beacon import shard_check_body, shard_check_root
+from veritrain.protocol.beacon import shard_check_body, shard_check_root, shard_checkers
 from veritrain.protocol.board import BoardFault, SignedOnce, members_posts, quorum_seed
 from veritrain.protocol.errors import OversizedError, PayloadError, RejectedInput
 from veritrain.protocol.identity import Identity
@@ -271,8 +275,13 @@ def settle_shards(
     num_shards: int,
     me: int,
     inputs_differ: frozenset[int] | set[int] = frozenset(),
+    trusted: frozenset[int] | set[int] = frozenset(),
 ) -> Settlement:
     """Check the other shards densely, recompute what fails, assemble the aggregate.
+
+    ``trusted``: shards taken as given without a dense check (well-formed results only):
+    those whose assigned checkers all signed an ``ok`` finding (``aggregate_checked``), and
+    results this validator settled already.
 
     ``published`` maps each other shard to its decoded result, to the reason its signed
     file is unusable (``str``: the publisher's fault), or to None when the verified list
@@ -307,9 +316,11 @@ def settle_shards(
             disputes.append(Dispute(k, k, blamed, reason, None, replacement, None))
             used[k] = replacement
             continue
+        used[k] = result
+        if k in trusted:
+            continue
         check = dense_check(result, xs, num_shards=num_shards, tau=tau_k)
         checks.append(check)
-        used[k] = result
         if not check.ok:
             replacement, finding = recompute_shard(result, xs, num_shards=num_shards, tau=tau_k,
                                                    recomputed_by=me, trigger=check)
@@ -467,7 +478,7 @@ class ShardedRound:
                 raise LedgerRefused(409, "round_finalized", "finalized before the check seed")
         pubs = verified_publications(view.get("results"), spec, r, faults)
         try:
-            listed, _seed = verified_check(view["check"], view.get("check_shares"), spec, r,
+            listed, seed = verified_check(view["check"], view.get("check_shares"), spec, r,
                                            faults)
         finally:
             self._record(r, faults)
@@ -489,10 +500,65 @@ class ShardedRound:
                 differ.add(k)
             others[k] = await self._fetch(p, limit, faults)
         self._record(r, faults)
+        checkers = shard_checkers(seed, spec.shards, spec.shard_checkers)
+        to_check = {k for k in range(spec.shards) if me in checkers[k]}
+        delegated = {k for k, res in others.items() if isinstance(res, ShardResult)} - to_check
         settled = await asyncio.to_thread(settle_shards, filtered, own, others,
-                                          num_shards=spec.shards, me=me, inputs_differ=differ)
-        await self._post_findings(spec, r, settled, listed)
+                                          num_shards=spec.shards, me=me, inputs_differ=differ,
+                                          trusted=delegated)
+        # Where checking is delegated, the others wait for this validator's word on the
+        # shards it was drawn to check: an ok finding for each that passed.
+        vouch = ({k for k in to_check if isinstance(others.get(k), ShardResult)}
+                 if spec.shard_checkers < spec.shards - 1 else set())
+        await self._post_findings(spec, r, settled, listed, vouch=vouch)
+        if delegated:
+            vouched = await self._vouched(spec, r, path, listed, checkers, delegated, faults)
+            doubted = delegated - vouched
+            if doubted:
+                log.info("round %d: shards %s not vouched for by all their checkers; checking "
+                         "them here", r, sorted(doubted))
+                known: dict[int, ShardResult | str | None] = {
+                    k: settled.used[k] for k in range(spec.shards) if k != me}
+                again = await asyncio.to_thread(
+                    settle_shards, filtered, own, known, num_shards=spec.shards, me=me,
+                    inputs_differ=differ, trusted=set(known) - doubted)
+                await self._post_findings(spec, r, again, listed)
+                settled = Settlement(again.aggregate, settled.checks + again.checks,
+                                     settled.disputes + again.disputes, again.used)
         return settled.aggregate, await asyncio.to_thread(shard_sources, settled, listed)
+
+    async def _vouched(self, spec: RunSpec, r: int, path: str, listed: list[str | None],
+                       checkers: list[tuple[int, ...]], delegated: set[int],
+                       faults: list[str]) -> set[int]:
+        """The delegated shards every assigned checker signed an ``ok`` finding for, about
+        the listed result (board rule 1: signed by that checker, this run and round); waits
+        up to ``shard_wait`` for them and stops early on a shard any checker doubts.
+        Findings from anyone else, or about another result, count for nothing."""
+        deadline = time.monotonic() + self.shard_wait
+        while True:
+            view = await self.client.get_json(path)
+            posts = members_posts(view.get("findings"), ShardFindingReport,
+                                  member_field="validator",
+                                  members=[v["ed25519"] for v in spec.validators],
+                                  run_id=spec.run_id, round_index=r, faults=faults)
+            self._record(r, faults)
+            verdicts: dict[int, dict[int, bool]] = {}  # shard -> checker -> ok
+            for checker, signed in posts.items():
+                for post in signed:
+                    f = post.message
+                    if f.shard in delegated and checker in checkers[f.shard]:
+                        ok = (not f.faulty and f.reason == "ok"
+                              and f.published_digest == listed[f.shard]
+                              and f.replacement_digest == listed[f.shard])
+                        verdicts.setdefault(f.shard, {})[checker] = ok
+            vouched = {k for k in delegated
+                       if len(verdicts.get(k, {})) == len(checkers[k])
+                       and all(verdicts[k].values())}
+            settled = {k for k in delegated if k in vouched
+                       or not all(verdicts.get(k, {}).values())}
+            if settled == delegated or time.monotonic() >= deadline:
+                return vouched
+            await asyncio.sleep(self.poll_seconds)
 
     async def _publish(self, spec: RunSpec, r: int, me: int, own: ShardResult, inputs: str,
                        path: str) -> ShardPublication:
@@ -577,7 +643,19 @@ class ShardedRound:
         return result
 
     async def _post_findings(self, spec: RunSpec, r: int, settled: Settlement,
-                             listed: list[str | None]) -> None:
+                             listed: list[str | None], *, vouch: set[int] | None = None
+                             ) -> None:
+        """Post a finding for every dispute, and an ``ok`` one for each shard of ``vouch``
+        (the ones this validator was drawn to check) whose dense check passed: the others
+        take those results on the word of all their checkers."""
+        disputed = {d.shard for d in settled.disputes}
+        for k in sorted((vouch or set()) - disputed):
+            report = ShardFindingReport(
+                run_id=spec.run_id, round=r, validator=self.identity.public_key.hex(),
+                shard=k, publisher=spec.validators[k]["ed25519"], faulty=False, reason="ok",
+                published_digest=listed[k], replacement_digest=settled.used[k].digest().hex(),
+                max_abs_deviation=0.0)
+            await self._post_finding(spec, r, report)
         for d in settled.disputes:
             if d.replacement is None and not d.faulty:
                 log.info("round %d: shard %d failed the dense check but is exact (%s)", r,
@@ -593,9 +671,12 @@ class ShardedRound:
             if d.faulty:
                 log.warning("round %d: shard %d of validator %d is faulty (%s); recomputed", r,
                             d.shard, d.publisher, d.reason)
-            try:
-                await self.client.post_message(
-                    f"/v1/runs/{spec.run_id}/rounds/{r}/shards/findings",
-                    sign(self.identity, report).to_wire())
-            except LedgerRefused as exc:
-                log.warning("round %d: finding on shard %d refused: %s", r, d.shard, exc)
+            await self._post_finding(spec, r, report)
+
+    async def _post_finding(self, spec: RunSpec, r: int, report: ShardFindingReport) -> None:
+        try:
+            await self.client.post_message(
+                f"/v1/runs/{spec.run_id}/rounds/{r}/shards/findings",
+                sign(self.identity, report).to_wire())
+        except LedgerRefused as exc:
+            log.warning("round %d: finding on shard %d refused: %s", r, report.shard, exc)

@@ -122,6 +122,8 @@ def _settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
             args.aggregator_params, "--aggregator-params", {})}
     if args.shards:
         settings["aggregator"]["shards"] = args.shards
+    if args.shard_checkers:
+        settings["aggregator"]["shard_checkers"] = args.shard_checkers
     if args.codec:
         settings["codec"] = {"name": args.codec,
                              "params": _json_option(args.codec_params, "--codec-params", {})}
@@ -409,6 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--shards", type=int,
                    help="split the aggregation into one coordinate shard per validator "
                    "(must equal the number of validators; centered_clip only)")
+    c.add_argument("--shard-checkers", type=int, metavar="K",
+                   help="with --shards: K validators drawn from each round's check seed "
+                   "check each shard and the others take their signed word (default: every "
+                   "other validator checks every shard)")
     c.add_argument("--codec", help="payload codec name (default int4)")
     c.add_argument("--codec-params", help="codec parameters as JSON, e.g. "
                    '\'{"rank": 8, "bits": 3, "layout": "model"}\' for lowrank')
@@ -599,6 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validators aggregate one coordinate shard each and check the others")
     d.add_argument("--shard-cheater", action="store_true",
                    help="with --sharded: the last validator shifts its shard by 0.1%%")
+    d.add_argument("--shard-checkers", type=int, default=0, metavar="K",
+                   help="with --sharded: K checkers per shard drawn from the check seed "
+                   "(default: every other validator)")
     d.add_argument("--masked-buckets", type=int, default=0, metavar="S",
                    help="workers hide their updates in masked buckets of S (validators see "
                    "bucket sums only; half the workers are opened by spot checks each round; "

@@ -280,9 +280,11 @@ def run_demo(args: argparse.Namespace) -> int:
             raise SystemExit("--sharded needs at least 3 validators (a quorum of honest "
                              "checkers besides any one publisher)")
         settings["aggregator"]["shards"] = args.validators
+        if args.shard_checkers:
+            settings["aggregator"]["shard_checkers"] = args.shard_checkers
         shard_cheater = args.validators - 1 if args.shard_cheater else None
-    elif args.shard_cheater:
-        raise SystemExit("--shard-cheater needs --sharded")
+    elif args.shard_cheater or args.shard_checkers:
+        raise SystemExit("--shard-cheater and --shard-checkers need --sharded")
     if args.masked_buckets:
         if args.sharded:
             raise SystemExit("--masked-buckets does not combine with --sharded yet")
