@@ -610,10 +610,10 @@ CHECKERS = (4, 16)
 
 
 def escape_probability(validators: int, byzantine: int, checkers: int) -> float:
-    """Chance that every checker drawn for a faulty shard is Byzantine (its publisher is one
-    of the ``byzantine`` validators; its ``checkers`` come from the V - 1 others, drawn from
-    the check seed after the results are fixed): C(f - 1, k) / C(V - 1, k), 0 once k >= f.
-    One honest checker settles it: the dense check misses no deviation above R."""
+    """Chance that every checker drawn for a Byzantine publisher's shard is Byzantine (its
+    ``checkers`` come from the V - 1 others, drawn from the round's threshold beacon):
+    C(f - 1, k) / C(V - 1, k) per Byzantine publisher and round, 0 once k >= f. One honest
+    checker settles it: the dense check misses no deviation above R."""
     k = min(checkers, validators - 1)
     return math.comb(byzantine - 1, k) / math.comb(validators - 1, k) if byzantine > 0 else 0.0
 
@@ -643,9 +643,10 @@ def report_checking(rows: list[dict[str, float]]) -> float:
     """Print the table; return a validator's checking at V = 64, k = 16, over its own shard's
     aggregation."""
     print("sharded checking (issue #29): one shard's dense check against its aggregation, "
-          "and what one validator checks with k checkers per shard (drawn from the check "
-          "seed) against its own shard's aggregation; escape: all k checkers of a faulty "
-          "shard Byzantine, f = floor((V - 1) / 3)")
+          "and what one validator checks with k checkers per shard (drawn from the round's "
+          "beacon) against its own shard's aggregation; escape: all k checkers of a "
+          "Byzantine publisher's shard Byzantine, per publisher and round, "
+          "f = floor((V - 1) / 3)")
     head = "".join(f"  k={k}: cost, escape   " for k in CHECKERS)
     print(f"  {'V':>3} {'shard':>9} {'check ms':>9} {'agg ms':>8} {'check/agg':>9}  "
           f"all V-1: cost  {head}")

@@ -351,6 +351,10 @@ class RunSpec(Message):
         if not 1 <= self.shard_checkers <= self.shards - 1:
             return (f"{self.shard_checkers} checkers per shard: between 1 and the "
                     f"{self.shards - 1} other validators")
+        if self.shard_checkers < self.shards - 1 and not self.threshold_beacon:
+            return ("fewer shard checkers than the other validators needs the threshold "
+                    "beacon (verification.beacon = threshold): the draw must come from a "
+                    "seed nobody can grind")
         if self.shards != len(self.validators):
             return (f"{self.shards} shards for {len(self.validators)} validators: "
                     "each validator aggregates one shard")

@@ -150,6 +150,10 @@ def _block(result: ShardResult, at: int = 200) -> ShardResult:
     return dataclasses.replace(result, aggregate=agg)
 
 
+#: The round's beacon seed in these tests (it draws the checkers where checking is delegated).
+BEACON = bytes(range(32))
+
+
 def _run(board: LyingBoard, rows: torch.Tensor, once: SignedOnce | None = None,
          me: int = 0, spec: Any = SPEC
          ) -> tuple[torch.Tensor | None, ShardedRound, Exception | None]:
@@ -158,7 +162,7 @@ def _run(board: LyingBoard, rows: torch.Tensor, once: SignedOnce | None = None,
     node = ShardedRound(board, VALIDATORS[me], once or SignedOnce(), poll_seconds=0.0,
                         shard_wait=0.0)
     try:
-        return asyncio.run(node.aggregate(spec, _filtered(rows)))[0], node, None
+        return asyncio.run(node.aggregate(spec, _filtered(rows), BEACON))[0], node, None
     except BoardFault as exc:
         return None, node, exc
 
@@ -423,22 +427,18 @@ def _ok(k: int, shard: int, digest: str, signer: Identity | None = None, *,
 
 
 def _delegated_round(rows: torch.Tensor, corrupt: bool):
-    """Validator 0's view of a round with one checker per shard: the shard it checks, the
-    one it delegates (corrupted when asked: the seed depends on the listed results, so
-    the corruption is placed where the seed it yields leaves it delegated) and that
-    shard's checker."""
+    """Validator 0's view of a round with one checker per shard, drawn from ``BEACON``: the
+    shard it checks, the one it delegates (corrupted when asked) and that shard's checker."""
+    drawn = shard_checkers(BEACON, V, 1)
+    mine = next(j for j in (1, 2) if 0 in drawn[j])
+    other = 3 - mine
+    checker = drawn[other][0]
     results = _honest(rows)
-    for other, at in [(1, 333), (2, 333), (1, 444), (2, 444), (1, 555), (2, 555)]:
-        published = list(results)
-        if corrupt:
-            published[other] = _block(results[other], at=at)
-        listed = [r.digest().hex() for r in published]
-        check, wires = _check(listed, [1, 2])
-        drawn = shard_checkers(bytes.fromhex(check["seed"]), V, 1)
-        if 0 not in drawn[other]:
-            break
-    assert 0 not in drawn[other]
-    mine, checker = 3 - other, drawn[other][0]
+    published = list(results)
+    if corrupt:
+        published[other] = _block(results[other], at=333)
+    listed = [r.digest().hex() for r in published]
+    check, wires = _check(listed, [1, 2])
     pubs = [_publication(r, VALIDATORS[k]) for k, r in enumerate(published)]
     view = {"results": [w for w, _ in pubs], "list": listed, "check": check,
             "check_shares": wires, "findings": []}
@@ -490,3 +490,39 @@ def test_a_doubted_or_unvouched_result_is_checked_here_and_a_bad_one_replaced(ro
         assert sorted(checked) == sorted([mine, other])
         reported = {(f["shard"], f["faulty"], f["reason"]) for f in board.findings()}
         assert reported == {(mine, False, "ok"), (other, True, "stationarity")}
+        ok = next(f for f in board.findings() if f["shard"] == mine)
+        assert ok["published_digest"] == ok["replacement_digest"] == listed[mine]
+
+
+def test_all_drawn_checkers_must_vouch_and_nothing_else_counts():
+    """Five validators, two checkers per shard (the pure rule): one ok and one silent
+    checker decide nothing yet; both ok vouch; an ok about another digest, a second post by
+    one checker, or a faulty finding doubt; an ok from a validator not drawn counts for
+    nothing."""
+    from types import SimpleNamespace as Post
+
+    from veritrain.validators.sharded import vouched_shards
+
+    listed = ["aa" * 32, "bb" * 32, "cc" * 32, "dd" * 32, "ee" * 32]
+    drawn = shard_checkers(BEACON, 5, 2)
+    delegated = {1, 2, 3, 4}
+
+    def post(shard: int, *, faulty: bool = False, reason: str = "ok",
+             digest: str | None = None) -> Any:
+        d = listed[shard] if digest is None else digest
+        return Post(message=Post(shard=shard, faulty=faulty, reason=reason,
+                                 published_digest=d, replacement_digest=d))
+
+    a, b = drawn[1]
+    stranger = next(v for v in range(5) if v not in drawn[1] and v != 1)
+    cases = {
+        "one ok, one silent": ({a: [post(1)]}, set(), set()),
+        "both ok": ({a: [post(1)], b: [post(1)]}, {1}, {1}),
+        "a stranger's ok": ({a: [post(1)], stranger: [post(1)]}, set(), set()),
+        "another digest": ({a: [post(1)], b: [post(1, digest="ff" * 32)]}, set(), {1}),
+        "two posts": ({a: [post(1)], b: [post(1), post(1)]}, set(), {1}),
+        "faulty": ({a: [post(1, faulty=True, reason="distance")]}, set(), {1}),
+    }
+    for name, (posts, vouched, decided) in cases.items():
+        got = vouched_shards(posts, listed, drawn, delegated)
+        assert got == (vouched, decided), name

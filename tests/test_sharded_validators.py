@@ -206,6 +206,10 @@ def test_build_run_refuses_shards_that_do_not_match_the_validators():
         with pytest.raises(ValueError, match="checker"):
             build_run(organiser, "bad-shards", settings,
                       [v.public for v in validator_identities(V)])
+    settings = _sharded_settings()  # a delegated draw needs a seed nobody can grind
+    settings["aggregator"]["shard_checkers"] = 1
+    with pytest.raises(ValueError, match="threshold beacon"):
+        build_run(organiser, "bad-shards", settings, [v.public for v in validator_identities(V)])
     settings = _sharded_settings()
     settings["aggregator"]["name"] = "median"
     with pytest.raises(ValueError, match="centered_clip"):
@@ -220,8 +224,9 @@ def test_three_validators_catch_a_shifted_shard_and_certify_the_honest_model(tmp
     organiser = Identity.generate("organiser")
     validators = validator_identities(V)
     settings = _sharded_settings()
-    if checkers is not None:
+    if checkers is not None:  # drawn from the threshold beacon, which nobody can grind
         settings["aggregator"]["shard_checkers"] = checkers
+        settings["verification"]["beacon"] = "threshold"
     bundle = build_run(organiser, "shard-run", settings, [v.public for v in validators])
     run = RunContext.build(bundle.signed.message, bundle.dataset)
     base = run.decode_model(bundle.genesis)
@@ -235,6 +240,8 @@ def test_three_validators_catch_a_shifted_shard_and_certify_the_honest_model(tmp
             ledger_url=api.url, run_id="shard-run", poll_seconds=0.05, shard_wait=60.0,
             attack="shard_shift" if k == cheat else None), ident)
         async with LedgerClient(api.url, retry_for=5.0) as client:
+            if checkers is not None:
+                await node.run_dkg(client, bundle.signed.message)
             info = await client.get_json("/v1/runs/shard-run/rounds/0")
             await node.beacon_seed(client, bundle.signed.message, 0)
             own_run = RunContext.build(bundle.signed.message, bundle.dataset)  # not thread-safe
@@ -286,7 +293,7 @@ def test_three_validators_catch_a_shifted_shard_and_certify_the_honest_model(tmp
     if checkers is None:
         assert oks == []  # every validator checked every shard itself: nothing to vouch
     else:  # each honest shard vouched for by exactly the checker the seed drew for it
-        drawn = shard_checkers(bytes.fromhex(shards["check"]["seed"]), V, checkers)
+        drawn = shard_checkers(seed, V, checkers)
         assert oks == sorted((k, validators[c].public_key.hex())
                              for k in range(V) if k != cheat for c in drawn[k])
     assert shards["check"] is not None and len(shards["list"]) == V

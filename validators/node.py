@@ -587,7 +587,7 @@ class ValidatorNode:
         lap("verification")
         sources = None  # sharded runs: where each shard of the aggregate came from
         if spec.shards and filtered.stacked is not None:
-            aggregate, sources = await self.sharded_aggregate(client, run, filtered)
+            aggregate, sources = await self.sharded_aggregate(client, run, filtered, seed)
         else:
             aggregate = await asyncio.to_thread(aggregate_locally, run, filtered, seed)
         release_free_memory()
@@ -687,13 +687,13 @@ class ValidatorNode:
     # ------------------------------------------------------------- sharded rounds
 
     async def sharded_aggregate(self, client: LedgerClient, run: RunContext,
-                                filtered: FilteredRound
+                                filtered: FilteredRound, beacon_seed: bytes
                                 ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
         """Publish this validator's shard, sign one verified list, settle the rest
         (validators/sharded.py ``ShardedRound``); the aggregate and its shards' sources."""
         sharded = ShardedRound(client, self.identity, self.signed_once, self.config.poll_seconds,
                                self.config.shard_wait, self.config.attack, self.skipped_posts)
-        return await sharded.aggregate(run.spec, filtered)
+        return await sharded.aggregate(run.spec, filtered, beacon_seed)
 
 
 def step_from_file(run: RunContext, filtered: FilteredRound, aggregate: Any,

@@ -12,9 +12,9 @@ local aggregation step of a round (validators/round.py) with:
 3. ``settle_shards``: a dense check of every coordinate of every other listed result
    (``dense_check``: the stationarity residual's norm and the exact distances), an exact
    recomputation of what fails (the exact check decides whether its publisher is at
-   fault), and the full aggregate. With ``aggregator.shard_checkers = k`` below V - 1,
-   a validator checks only the k shards the check seed draws it for
-   (``beacon.shard_checkers``), signs an ``ok`` finding for each that passes, and takes
+   fault), and the full aggregate. With ``aggregator.shard_checkers = k`` below V - 1
+   (threshold-beacon runs), a validator checks only the k shards the round's beacon draws
+   it for (``beacon.shard_checkers``), signs an ``ok`` finding for each that passes, and takes
    every other result on the word of all its checkers; one doubt, a missing verdict by
    ``shard_wait`` or a non-ok finding, and it checks that shard itself.
 
@@ -280,7 +280,8 @@ def settle_shards(
     """Check the other shards densely, recompute what fails, assemble the aggregate.
 
     ``trusted``: shards taken as given without a dense check (well-formed results only):
-    those whose assigned checkers all signed an ``ok`` finding (``aggregate_checked``), and
+    in a round that delegates checking, the shards drawn for others to check (their
+    verdicts are awaited afterwards, and a doubted one settled again without it), and
     results this validator settled already.
 
     ``published`` maps each other shard to its decoded result, to the reason its signed
@@ -430,6 +431,33 @@ def list_to_sign(fixed: Any, pubs: Mapping[int, list[ShardPublication]], num_sha
     return [pubs[k][0].result_digest if k in pubs else None for k in range(num_shards)]
 
 
+def vouched_shards(posts: Mapping[int, list[Any]], listed: list[str | None],
+                   checkers: list[tuple[int, ...]], delegated: set[int]
+                   ) -> tuple[set[int], set[int]]:
+    """``(vouched, decided)`` among the ``delegated`` shards, from the verified findings
+    ``posts`` (``members_posts``: validator index -> its signed ``ShardFindingReport``s).
+
+    A shard is vouched for when every one of its drawn ``checkers`` has an ``ok`` finding
+    (not faulty, reason ``ok``) about exactly the listed digest and nothing else; decided
+    when vouched, or doubted: some checker posted anything else about it (a faulty
+    finding, another digest, a second post). Findings of validators not drawn for the
+    shard count for nothing."""
+    verdicts: dict[int, dict[int, bool]] = {}  # shard -> checker -> all its posts ok
+    for checker, signed in posts.items():
+        for post in signed:
+            f = post.message
+            if f.shard not in delegated or checker not in checkers[f.shard]:
+                continue
+            ok = (not f.faulty and f.reason == "ok" and f.published_digest == listed[f.shard]
+                  and f.replacement_digest == listed[f.shard])
+            seen = verdicts.setdefault(f.shard, {})
+            seen[checker] = ok and checker not in seen
+    vouched = {k for k in delegated
+               if len(verdicts.get(k, {})) == len(checkers[k]) and all(verdicts[k].values())}
+    doubted = {k for k in delegated if not all(verdicts.get(k, {}).values())}
+    return vouched, vouched | doubted
+
+
 def list_digest(results: list[str | None]) -> str:
     """What ``SignedOnce`` records for a signed shard list: its ``shard_check_body``."""
     return shard_check_body([bytes.fromhex(d) if d else b"" for d in results]).hex()
@@ -458,10 +486,13 @@ class ShardedRound:
             self.skipped.append({"round": r, "reason": "board_fault", "detail": detail[:300]})
         faults.clear()
 
-    async def aggregate(self, spec: RunSpec, filtered: FilteredRound
+    async def aggregate(self, spec: RunSpec, filtered: FilteredRound,
+                        beacon_seed: bytes | None = None
                         ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
         """Publish this validator's shard, fix and verify the list and seed, settle the rest.
-        Returns the aggregate and where each shard of it came from (``shard_sources``)."""
+        Returns the aggregate and where each shard of it came from (``shard_sources``).
+        ``beacon_seed``: the round's (threshold) beacon seed, which draws the checkers when
+        ``spec.shard_checkers`` is below V - 1."""
         r = filtered.round_index
         me = spec.validator_index(self.identity.public_key.hex())
         assert me is not None
@@ -478,8 +509,8 @@ class ShardedRound:
                 raise LedgerRefused(409, "round_finalized", "finalized before the check seed")
         pubs = verified_publications(view.get("results"), spec, r, faults)
         try:
-            listed, seed = verified_check(view["check"], view.get("check_shares"), spec, r,
-                                           faults)
+            listed, _seed = verified_check(view["check"], view.get("check_shares"), spec, r,
+                                            faults)
         finally:
             self._record(r, faults)
         others: dict[int, ShardResult | str | None] = {}
@@ -500,16 +531,27 @@ class ShardedRound:
                 differ.add(k)
             others[k] = await self._fetch(p, limit, faults)
         self._record(r, faults)
-        checkers = shard_checkers(seed, spec.shards, spec.shard_checkers)
+        delegating = spec.shard_checkers < spec.shards - 1
+        if delegating and beacon_seed is None:
+            raise ValueError("delegated shard checking draws its checkers from the round's "
+                             "beacon seed")
+        # The round's threshold beacon: unique, so neither the ledger nor any quorum can
+        # grind the draw (the check seed above is a quorum of individual shares the ledger
+        # picks among; specs/secure-averaging.md E.1, step 4a).
+        checkers = shard_checkers(beacon_seed or b"", spec.shards, spec.shard_checkers)
         to_check = {k for k in range(spec.shards) if me in checkers[k]}
-        delegated = {k for k, res in others.items() if isinstance(res, ShardResult)} - to_check
+        # Results computed on other rows than this validator's are checked here (a checker's
+        # ok does not say which rows it checked them on).
+        delegated = ({k for k, res in others.items() if isinstance(res, ShardResult)}
+                     - to_check - differ)
         settled = await asyncio.to_thread(settle_shards, filtered, own, others,
                                           num_shards=spec.shards, me=me, inputs_differ=differ,
                                           trusted=delegated)
+        delegated -= {d.shard for d in settled.disputes}  # already replaced here
         # Where checking is delegated, the others wait for this validator's word on the
         # shards it was drawn to check: an ok finding for each that passed.
         vouch = ({k for k in to_check if isinstance(others.get(k), ShardResult)}
-                 if spec.shard_checkers < spec.shards - 1 else set())
+                 if delegating else set())
         await self._post_findings(spec, r, settled, listed, vouch=vouch)
         if delegated:
             vouched = await self._vouched(spec, r, path, listed, checkers, delegated, faults)
@@ -530,10 +572,9 @@ class ShardedRound:
     async def _vouched(self, spec: RunSpec, r: int, path: str, listed: list[str | None],
                        checkers: list[tuple[int, ...]], delegated: set[int],
                        faults: list[str]) -> set[int]:
-        """The delegated shards every assigned checker signed an ``ok`` finding for, about
-        the listed result (board rule 1: signed by that checker, this run and round); waits
-        up to ``shard_wait`` for them and stops early on a shard any checker doubts.
-        Findings from anyone else, or about another result, count for nothing."""
+        """``vouched_shards`` over the board's findings, read until every delegated shard
+        is decided or ``shard_wait`` runs out (a round finalized meanwhile ends the wait
+        like the check seed's: ``round_finalized``)."""
         deadline = time.monotonic() + self.shard_wait
         while True:
             view = await self.client.get_json(path)
@@ -542,22 +583,13 @@ class ShardedRound:
                                   members=[v["ed25519"] for v in spec.validators],
                                   run_id=spec.run_id, round_index=r, faults=faults)
             self._record(r, faults)
-            verdicts: dict[int, dict[int, bool]] = {}  # shard -> checker -> ok
-            for checker, signed in posts.items():
-                for post in signed:
-                    f = post.message
-                    if f.shard in delegated and checker in checkers[f.shard]:
-                        ok = (not f.faulty and f.reason == "ok"
-                              and f.published_digest == listed[f.shard]
-                              and f.replacement_digest == listed[f.shard])
-                        verdicts.setdefault(f.shard, {})[checker] = ok
-            vouched = {k for k in delegated
-                       if len(verdicts.get(k, {})) == len(checkers[k])
-                       and all(verdicts[k].values())}
-            settled = {k for k in delegated if k in vouched
-                       or not all(verdicts.get(k, {}).values())}
-            if settled == delegated or time.monotonic() >= deadline:
+            vouched, decided = vouched_shards(posts, listed, checkers, delegated)
+            if decided == delegated or time.monotonic() >= deadline:
                 return vouched
+            if (await self.client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}"))[
+                    "status"] in ("finalized", "voided"):
+                raise LedgerRefused(409, "round_finalized", "finalized before the checkers' "
+                                    "verdicts")
             await asyncio.sleep(self.poll_seconds)
 
     async def _publish(self, spec: RunSpec, r: int, me: int, own: ShardResult, inputs: str,
@@ -654,7 +686,7 @@ class ShardedRound:
                 run_id=spec.run_id, round=r, validator=self.identity.public_key.hex(),
                 shard=k, publisher=spec.validators[k]["ed25519"], faulty=False, reason="ok",
                 published_digest=listed[k], replacement_digest=settled.used[k].digest().hex(),
-                max_abs_deviation=0.0)
+                max_abs_deviation=None)
             await self._post_finding(spec, r, report)
         for d in settled.disputes:
             if d.replacement is None and not d.faulty:

@@ -122,7 +122,7 @@ def _settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
             args.aggregator_params, "--aggregator-params", {})}
     if args.shards:
         settings["aggregator"]["shards"] = args.shards
-    if args.shard_checkers:
+    if args.shard_checkers is not None:
         settings["aggregator"]["shard_checkers"] = args.shard_checkers
     if args.codec:
         settings["codec"] = {"name": args.codec,
@@ -412,9 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the aggregation into one coordinate shard per validator "
                    "(must equal the number of validators; centered_clip only)")
     c.add_argument("--shard-checkers", type=int, metavar="K",
-                   help="with --shards: K validators drawn from each round's check seed "
-                   "check each shard and the others take their signed word (default: every "
-                   "other validator checks every shard)")
+                   help="with --shards and --beacon threshold: K validators drawn from each "
+                   "round's beacon check each shard and the others take their signed word "
+                   "(default: every other validator checks every shard)")
     c.add_argument("--codec", help="payload codec name (default int4)")
     c.add_argument("--codec-params", help="codec parameters as JSON, e.g. "
                    '\'{"rank": 8, "bits": 3, "layout": "model"}\' for lowrank')
