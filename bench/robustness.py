@@ -82,7 +82,7 @@ alone where ``cc_probe`` was not run.)
 Measured (issue 24; ``--f 3,7 --aggregators cc_probe``, 3 seeds, 114 runs, about 9 min
 on the shared 2-core machine)::
 
-    robustness: seeds=3 worst_f7=+7.0% worst_f3=+1.0% honest_lost_pay=0/12840 honest_excluded=7/12840 max_attacker_share_gain=+0.000
+    robustness: seeds=3 worst_f7=+7.0% worst_f3=+1.0% honest_lost_pay=0/12840 honest_excluded=6/12840 max_attacker_share_gain=+0.000
 
 The worst cell at f = 7 is ``mimic_jitter`` (+7.0%; median over seeds +3.2%): seven
 copies of one honest update, each with its own noise of 3% of the honest spread, which
@@ -90,7 +90,7 @@ no aggregator can tell from honest work at f close to n / 2 (the heterogeneity l
 bound; verification catches the copiers). Every other attack stays within +3.3% at
 f = 7 (sign flip); exact ``mimic`` went from +5.9% to +0.8% once CenteredClip counts
 copies once (aggregation/copies.py), and the probe filter, which now acts only on a
-group (more than an eighth of the rows below its floor), excluded 7 honest rows of
+group (more than an eighth of the rows below its floor), excluded 6 honest rows of
 12,840 (was 43 of 11,520) and never raised the attackers' share of the aggregated rows.
 The ``cc_probe`` cells do not depend on the other rows, so this last line is the full
 grid's; the full grid (870 runs) is about 7.8 times this compute: about 60 min on 2
