@@ -25,8 +25,6 @@ valid alternatives (which quorum, which survivors). The rule every node follows
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -36,6 +34,7 @@ from . import bls
 from .beacon import compute_beacon_seed
 from .errors import RejectedInput
 from .messages import Message, Signed, open_signed
+from .statefile import json_saver, load_json_state
 
 M = TypeVar("M", bound=Message)
 
@@ -111,17 +110,10 @@ class SignedOnce:
         before each new signature leaves the node); in memory only when ``path`` is None."""
         if path is None:
             return cls()
-        state = json.loads(path.read_text()) if path.exists() else {}
-        if not isinstance(state, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in state.items()):
-            raise ValueError(f"{path} does not hold a signed-once state")
-
-        def save(new: dict[str, str]) -> None:
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(new, sort_keys=True))
-            os.replace(tmp, path)
-
-        return cls(state, save)
+        state = load_json_state(path, lambda s: all(
+            isinstance(k, str) and isinstance(v, str) for k, v in s.items()),
+            "a signed-once state")
+        return cls(state, json_saver(path))
 
 
 def members_posts(wires: Any, cls: type[M], *, member_field: str, members: Sequence[str],

@@ -9,8 +9,6 @@ keys accepts the signature on the certified state's signing root.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ from . import bls
 from . import fields as f
 from .errors import RejectedInput
 from .messages import CertifiedState, RunSpec
+from .statefile import json_saver, load_json_state
 
 CERTIFICATE = f.record(
     {
@@ -135,14 +134,7 @@ class CertifiedMark:
         rises); in memory only when ``path`` is None."""
         if path is None:
             return cls()
-        state = json.loads(path.read_text()) if path.exists() else {}
-        if not isinstance(state, dict) or not all(
-                isinstance(k, str) and type(v) is int and v >= 0 for k, v in state.items()):
-            raise ValueError(f"{path} does not hold a certified-round mark")
-
-        def save(new: dict[str, int]) -> None:
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(new, sort_keys=True))
-            os.replace(tmp, path)
-
-        return cls(state, save)
+        state = load_json_state(path, lambda s: all(
+            isinstance(k, str) and type(v) is int and v >= 0 for k, v in s.items()),
+            "a certified-round mark")
+        return cls(state, json_saver(path))
