@@ -35,7 +35,7 @@ from veritrain.protocol.beacon import (
     participants_digest,
     sealed_list_digest,
 )
-from veritrain.protocol.certificates import CERTIFICATE
+from veritrain.protocol.certificates import CERTIFICATE, shard_sources_problem
 from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.membership import (
@@ -746,22 +746,12 @@ def check_shard_sources(spec: RunSpec, rnd: RoundState, certified: CertifiedStat
     """9.3 ``round_finalized`` of a sharded run: "the certified state takes each shard from
     the fixed list (`result` = its entry, never one a `shard_fault` names) or from a
     recomputation of a shard the list left empty or a `shard_fault` names (`result`
-    null)"; other runs name no shards."""
-    if not spec.shards:
-        if certified.shards is not None:
-            raise Bad("certified shard sources in a run that does not shard")
-        return
-    sources = certified.shards
-    if sources is None or [x["shard"] for x in sources] != list(range(spec.shards)):
-        raise Bad("the certified state does not name each shard's source")
-    listed = rnd.shard_list or [None] * spec.shards
-    for x in sources:
-        k = x["shard"]
-        if x["result"] is not None and (x["result"] != listed[k] or k in rnd.shard_faults):
-            raise Bad(f"shard {k} certified from a result the fixed list does not name, or "
-                      "one a quorum proved faulty")
-        if x["result"] is None and listed[k] is not None and k not in rnd.shard_faults:
-            raise Bad(f"shard {k} recomputed although listed and never proven faulty")
+    null)"; other runs name no shards (``shard_sources_problem``, the ledger's own rule
+    before it certifies)."""
+    problem = shard_sources_problem(spec.shards, certified.shards, rnd.shard_list,
+                                    rnd.shard_faults)
+    if problem is not None:
+        raise Bad(problem)
 
 
 def process_round_finalized(state: AuditState, index: int, body: dict[str, Any]

@@ -22,6 +22,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from veritrain.protocol import bls
 from veritrain.protocol.beacon import compute_beacon_seed, shard_check_root
+from veritrain.protocol.certificates import shard_sources_problem
 from veritrain.protocol.encoding import decode_canonical, encode_canonical
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.messages import (
@@ -202,6 +203,14 @@ def faulted_validators(s: Session, spec: RunSpec, r: int) -> set[int]:
         if decode_canonical(row.body)["body"]["faulty"]:
             faulty.setdefault(row.shard, set()).add(row.validator_index)
     return {k for k, v in faulty.items() if len(v) >= spec.quorum}
+
+
+def sources_problem(s: Session, spec: RunSpec, r: int, sources: list[dict[str, Any]] | None,
+                    faulted: set[int]) -> str | None:
+    """``shard_sources_problem`` of a certified state's ``sources`` against round ``r``'s
+    fixed list and its proven faults (``faulted``, from ``faulted_validators``)."""
+    fixed = _fixed(s, spec.run_id, r, "list_fixed") if spec.shards else None
+    return shard_sources_problem(spec.shards, sources, fixed and fixed["results"], faulted)
 
 
 def round_shards(s: Session, spec: RunSpec, r: int) -> dict[str, Any]:

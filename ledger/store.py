@@ -843,6 +843,8 @@ class LedgerStore:
             for ev in events:
                 kind = ev.pop("kind")
                 self._ledger_event(s, msg.run_id, kind, {"run_id": msg.run_id, **ev})
+                if kind == "shard_fault" and rnd.status == RoundStatus.CLOSED.value:
+                    self._certify_after_fault(s, spec, rnd)
             self._publish(staged)
             return reply
 
@@ -1063,25 +1065,51 @@ class LedgerStore:
                     lambda kind, body: self._ledger_event(s, res.run_id, kind, body))
                 self._publish(staged)
                 return {"status": "finalized", "certificate": False}
-            # A validator whose shard a quorum proved faulty does not count (secure-averaging
-            # E.1, step 4): its result stays recorded, its attestation is left out.
-            faulted = shards.faulted_validators(s, spec, res.round) if spec.shards else set()
-            agreeing = [
-                result for result in (
-                    open_signed(decode_canonical(row.body, max_bytes=MAX_RESULT_BYTES),
-                                RoundResult).message
-                    for row in s.execute(select(t.RoundResultRow).where(
-                        t.RoundResultRow.run_id == res.run_id,
-                        t.RoundResultRow.round == res.round,
-                        t.RoundResultRow.certified_digest == certified_digest)).scalars().all())
-                if spec.validator_index(result.validator) not in faulted
-            ]
-            if len(agreeing) < spec.quorum:
-                self._publish(staged)
-                return {"status": "closed", "certificate": False, "attestations": len(agreeing)}
-            self._finalize(s, spec, rnd, res, agreeing)
+            reply = self._certify_if_agreed(s, spec, rnd, certified_digest)
             self._publish(staged)
-            return {"status": "finalized", "certificate": True}
+            return reply
+
+    def _certify_if_agreed(self, s: Session, spec: RunSpec, rnd: t.Round,
+                           certified_digest: str) -> dict[str, Any]:
+        """Finalize closed round ``rnd`` on the certified state ``certified_digest`` once a
+        quorum of counted results agree on it and its shard sources follow the board.
+
+        A validator whose shard a quorum proved faulty does not count (secure-averaging
+        E.1, step 4): its result stays recorded, its attestation is left out. A state that
+        recomputes a listed shard waits for that shard's ``shard_fault`` (the findings of a
+        quorum, which may land after the results): certified earlier, it would rest on one
+        checker's word."""
+        faulted = shards.faulted_validators(s, spec, rnd.round) if spec.shards else set()
+        agreeing = [
+            result for result in (
+                open_signed(decode_canonical(row.body, max_bytes=MAX_RESULT_BYTES),
+                            RoundResult).message
+                for row in s.execute(select(t.RoundResultRow).where(
+                    t.RoundResultRow.run_id == rnd.run_id,
+                    t.RoundResultRow.round == rnd.round,
+                    t.RoundResultRow.certified_digest == certified_digest)).scalars().all())
+            if spec.validator_index(result.validator) not in faulted
+        ]
+        if len(agreeing) < spec.quorum:
+            return {"status": "closed", "certificate": False, "attestations": len(agreeing)}
+        waiting = shards.sources_problem(s, spec, rnd.round,
+                                         agreeing[0].certified_state.shards, faulted)
+        if waiting is not None:
+            return {"status": "closed", "certificate": False, "attestations": len(agreeing),
+                    "waiting": waiting}
+        self._finalize(s, spec, rnd, agreeing[0], agreeing)
+        return {"status": "finalized", "certificate": True}
+
+    def _certify_after_fault(self, s: Session, spec: RunSpec, rnd: t.Round) -> None:
+        """After a ``shard_fault``: a closed round whose results waited for it may now
+        finalize (each recorded certified state in turn, at most one can)."""
+        digests = s.execute(select(t.RoundResultRow.certified_digest).where(
+            t.RoundResultRow.run_id == rnd.run_id, t.RoundResultRow.round == rnd.round)
+            .distinct()).scalars().all()
+        for digest in sorted(digests):
+            if rnd.status != RoundStatus.CLOSED.value:
+                return
+            self._certify_if_agreed(s, spec, rnd, digest)
 
     def _finalize(self, s: Session, spec: RunSpec, rnd: t.Round, res: RoundResult,
                   agreeing: list[RoundResult]) -> None:

@@ -52,6 +52,32 @@ def verify_certificate(cert: Any, spec: RunSpec, *, base_of_round: int) -> Certi
     return state
 
 
+def shard_sources_problem(num_shards: int, sources: list[dict[str, Any]] | None,
+                          listed: list[str | None] | None, proven_faulty: set[int]
+                          ) -> str | None:
+    """Why a certified state's shard sources do not follow the board, or None.
+
+    A sharded run's certified state takes each shard from the fixed list (``result`` =
+    its entry, never a shard in ``proven_faulty``: a quorum of findings called it faulty)
+    or from a recomputation of a shard the list left empty or a quorum proved faulty
+    (``result`` null); a run that does not shard (``num_shards`` 0) names no sources. The
+    ledger holds a certificate back until this holds, and the audit checks it again
+    (specs/secure-averaging.md E.1, step 4)."""
+    if not num_shards:
+        return None if sources is None else "certified shard sources in a run that does not shard"
+    if sources is None or [x["shard"] for x in sources] != list(range(num_shards)):
+        return "the certified state does not name each shard's source"
+    entries = listed or [None] * num_shards
+    for x in sources:
+        k = x["shard"]
+        if x["result"] is not None and (x["result"] != entries[k] or k in proven_faulty):
+            return (f"shard {k} certified from a result the fixed list does not name, or "
+                    "one a quorum proved faulty")
+        if x["result"] is None and entries[k] is not None and k not in proven_faulty:
+            return f"shard {k} recomputed although listed and never proven faulty"
+    return None
+
+
 def base_round(info: dict[str, Any]) -> int:
     """The certified round of a served round's base: ``CertifiedState.round`` of its base
     certificate, 0 for the genesis model (checked by :func:`certified_base`)."""

@@ -200,6 +200,74 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypat
     assert not set(refused.values()) & stored, "a refused result's file was kept"
 
 
+def test_a_certificate_that_recomputes_a_listed_shard_waits_for_its_proven_fault(
+        tmp_path, ledger_url):
+    """The race CI caught: one checker found shard 0 faulty, and the publisher's own result
+    agrees with that checker's (both recompute shard 0). A quorum of equal results is not
+    enough: the ledger holds the certificate back until a quorum of findings records the
+    ``shard_fault``, then certifies without waiting for another result (the publisher's
+    attestation no longer counting)."""
+    run = _sharded_run()
+    v0, v1, v2 = run.validators
+    worker = Identity.generate("worker")
+    base = f"/v1/runs/{RUN}/rounds/0/shards"
+
+    async def scenario(api: Api):
+        await api.create_run(run)
+        await api.register(run, worker)
+        submission = make_submission(run, worker, b"p" * 8)
+        await api.submit(submission, b"p" * 8)
+        while (await api.get(f"/v1/runs/{RUN}/rounds/0"))[1]["status"] == "open":
+            await asyncio.sleep(0.05)
+        sealed = sealed_list_digest_of(
+            (await api.get(f"/v1/runs/{RUN}/rounds/0/submissions"))[1]["submissions"])
+        for v in (v0, v1):
+            share = BeaconShare(run_id=RUN, round=0, validator=v.public_key.hex(),
+                                share=v.sign_bls(beacon_root(RUN, 0)).hex(), sealed=sealed,
+                                participants=EVERY_WORKER_ADMITTED)
+            beacon = (await api.post_json(f"/v1/runs/{RUN}/rounds/0/beacon",
+                                          sign(v, share).to_wire()))[1]["beacon"]
+        pub0 = _publication(v0, 0, b"a")
+        await api.post_parts(base, [("publication", sign(v0, pub0).encode()), ("result", b"a")])
+        d0 = pub0.result_digest
+        for v in (v1, v2):
+            await api.post_json(base + "/check", sign(v, _share(v, [d0, None, None])).to_wire())
+        out = {"finding1": await api.post_json(base + "/findings",
+                                               sign(v1, _finding(v1, v0, 0, d0)).to_wire())}
+        seed = beacon_seed_of(beacon)
+        verdicts = [verdict(worker, submission.digest, True)]
+        rewards = {worker.public_key.hex(): 100.0}
+        genesis = run.spec.genesis_model_hash
+        recomputed = [{"shard": k, "result": None, "aggregate": f"{k:02x}" * 32}
+                      for k in range(3)]
+        for v in (v1, v0, v2):
+            out[f"result{run.validators.index(v)}"] = await post_round_result(
+                api, run, v, 0, genesis, seed, verdicts, rewards, b"M1", shards=recomputed)
+        out["waiting"] = (await api.get(f"/v1/runs/{RUN}/rounds/0"))[1]
+        out["finding2"] = await api.post_json(base + "/findings",
+                                              sign(v2, _finding(v2, v0, 0, d0)).to_wire())
+        out["after"] = (await api.get(f"/v1/runs/{RUN}/rounds/0"))[1]
+        async with LedgerClient(api.url) as client:
+            key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
+            out["audit"] = verify_events(await fetch_events(client, RUN), key, full=True)
+        return out
+
+    out = run_api(tmp_path, scenario, db_url=ledger_url)
+    assert out["finding1"][0] == 201 and out["finding1"][1]["faulty_reports"] == 1
+    waiting = [out[f"result{i}"][1] for i in range(3)]
+    assert [w["certificate"] for w in waiting] == [False] * 3
+    assert [w["attestations"] for w in waiting] == [2, 1, 3]
+    assert {w.get("waiting") for w in (waiting[0], waiting[2])} == {
+        "shard 0 recomputed although listed and never proven faulty"}
+    assert out["waiting"]["status"] == "closed"
+    # The fault recorded, the publisher's attestation stops counting and the other two
+    # certify at once.
+    assert out["finding2"][0] == 201 and out["finding2"][1]["faulty_reports"] == 2
+    assert out["after"]["status"] == "finalized"
+    assert out["after"]["certificate"]["signers"] == [1, 2]
+    assert out["audit"].ok, out["audit"].problem
+
+
 def test_replayed_shard_posts_cost_no_bls_and_spend_no_validators_budget(tmp_path, ledger_url,
                                                                          monkeypatch):
     """A validator's check share is public: a third party copying it from another address
