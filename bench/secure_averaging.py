@@ -82,10 +82,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import math
+import multiprocessing as mp
 import os
+import statistics
 import time
 from collections.abc import Callable, Collection
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -438,6 +442,74 @@ class RobustnessRun:
     byzantine_aggregated: int | None  # masked only: Byzantine rows handed to the aggregator
 
 
+def robustness_cell(
+    variant: str,
+    attack: str | None,
+    *,
+    rounds: int,
+    preset: str = "bench",
+    f: int = 3,
+    workers: int = 16,
+    size: int = 2,
+    spot_checks: bool = True,
+    seed: str = "secure-bench",
+) -> RobustnessRun:
+    """One full swarm run (see :func:`robustness`): ``variant`` "cc" (the preset's own
+    pipeline), "cc_bucketing" (CenteredClip over buckets of 2 with every filter) or
+    "masked" (buckets of ``size`` as a masked run aggregates them); the last ``f`` of
+    ``workers`` run ``attack`` (None: a clean run)."""
+    import veritrain.validators.round as round_mod
+    from veritrain.protocol.presets import run_preset
+
+    from veritrain.swarm import Swarm
+
+    settings = run_preset(preset)
+    settings["schedule"]["max_rounds"] = rounds
+    params = dict(settings["aggregator"]["params"])
+    if variant == "cc_bucketing":
+        params["bucket_size"] = 2
+    settings["aggregator"]["params"] = params
+    if not spot_checks:
+        settings["verification"].update(challenges_per_worker=0.0, spot_checks_per_round=0,
+                                        binding_chunks=0)
+    if variant == "masked":
+        # No per-update filters: 1e6 is the largest norm_factor a run spec accepts
+        # (it would still drop an all-zero update); probe_examples = 0 turns the
+        # probe off (RunSpec.probe).
+        settings["verification"].update(norm_factor=1e6, probe_examples=0)
+    byz = {workers - 1 - i: attack for i in range(f)} if attack else {}
+    swarm = Swarm(settings, n_workers=workers, byzantine=byz, seed=seed)
+    rows = ByzantineRows(swarm.workers[i].public_key.hex() for i in byz)
+    originals = round_mod.aggregate_locally, round_mod.admit
+    if variant == "masked":
+
+        def masked_aggregate(run, filtered, beacon_seed):  # noqa: ANN001, ANN202
+            source = filtered.source()
+            if source is None:
+                return None
+            simulation = MaskedBucketsSimulation(
+                float(params.get("tau_rel", 1.0)), size, filtered.round_index, byzantine=rows)
+            return simulation(source.read(0, source.numel)).float()
+
+        round_mod.aggregate_locally = masked_aggregate
+        round_mod.admit = rows.wrap(round_mod.admit)
+    try:
+        res = swarm.train(rounds)
+    finally:
+        round_mod.aggregate_locally, round_mod.admit = originals
+    rejected: dict[str, int] = {}
+    for o in res.outcomes:
+        for v in o.verdicts:
+            if v["status"] == "rejected":
+                rejected[v["reason"]] = rejected.get(v["reason"], 0) + 1
+    return RobustnessRun(
+        res.eval_loss[-1],
+        res.seconds,
+        rejected,
+        rows.aggregated if variant == "masked" else None,
+    )
+
+
 def robustness(
     rounds: int,
     attacks: tuple[str, ...],
@@ -462,61 +534,129 @@ def robustness(
     preset's checks (at least one segment per worker and round) they are all
     rejected, and banned, in round 0, before any aggregator sees them.
     """
-    import veritrain.validators.round as round_mod
-    from veritrain.protocol.presets import run_preset
-
-    from veritrain.swarm import Swarm
-
-    def run(variant: str, attack: str | None) -> RobustnessRun:
-        settings = run_preset(preset)
-        settings["schedule"]["max_rounds"] = rounds
-        params = dict(settings["aggregator"]["params"])
-        if variant == "cc_bucketing":
-            params["bucket_size"] = 2
-        settings["aggregator"]["params"] = params
-        if not spot_checks:
-            settings["verification"].update(challenges_per_worker=0.0, spot_checks_per_round=0,
-                                            binding_chunks=0)
-        if variant == "masked":
-            # No per-update filters: 1e6 is the largest norm_factor a run spec accepts
-            # (it would still drop an all-zero update); probe_examples = 0 turns the
-            # probe off (RunSpec.probe).
-            settings["verification"].update(norm_factor=1e6, probe_examples=0)
-        byz = {workers - 1 - i: attack for i in range(f)} if attack else {}
-        swarm = Swarm(settings, n_workers=workers, byzantine=byz, seed="secure-bench")
-        rows = ByzantineRows(swarm.workers[i].public_key.hex() for i in byz)
-        originals = round_mod.build_aggregator, round_mod.admit
-        if variant == "masked":
-
-            def patched(name, p, *, seed=0):  # noqa: ANN001, ANN202
-                tau_rel = float(params.get("tau_rel", 1.0))
-                return MaskedBucketsSimulation(tau_rel, size, seed, byzantine=rows)
-
-            round_mod.build_aggregator, round_mod.admit = patched, rows.wrap(round_mod.admit)
-        try:
-            res = swarm.train(rounds)
-        finally:
-            round_mod.build_aggregator, round_mod.admit = originals
-        rejected: dict[str, int] = {}
-        for o in res.outcomes:
-            for v in o.verdicts:
-                if v["status"] == "rejected":
-                    rejected[v["reason"]] = rejected.get(v["reason"], 0) + 1
-        return RobustnessRun(
-            res.eval_loss[-1],
-            res.seconds,
-            rejected,
-            rows.aggregated if variant == "masked" else None,
-        )
-
     out: dict[str, RobustnessRun] = {}
     for key, variant, attack in [("clean", "cc", None)] + [
         (f"{v}/{a}", v, a) for v in ("masked", "cc_bucketing") for a in attacks
     ]:
-        out[key] = run(variant, attack)
+        out[key] = robustness_cell(variant, attack, rounds=rounds, preset=preset, f=f,
+                                   workers=workers, size=size, spot_checks=spot_checks)
         if on_run is not None:
             on_run(key, out[key])
     return out
+
+
+# -- the masked robustness table (issue 27 item 4) ----------------------------
+
+#: Grid axes of ``--only masked-table``: Byzantine workers of 16, bucket sizes, attacks.
+TABLE_F: tuple[int, ...] = (1, 2, 3, 4, 5)
+TABLE_SIZES: tuple[int, ...] = (2, 4, 8)
+TABLE_ATTACKS: tuple[str, ...] = ("alie", "ipm", "sign_flip", "gaussian")
+
+
+def _table_cell(job: dict[str, object]) -> tuple[dict[str, object], dict[str, object]]:
+    torch.set_num_threads(1)
+    run = robustness_cell(
+        str(job["variant"]), job["attack"],  # type: ignore[arg-type]
+        rounds=int(job["rounds"]), preset=str(job["preset"]), f=int(job["f"]),  # type: ignore[arg-type]
+        size=int(job["size"]), spot_checks=False, seed=str(job["seed"]),  # type: ignore[arg-type]
+    )
+    return job, dataclasses.asdict(run)
+
+
+def table_jobs(seeds: int, rounds: int, preset: str, fs: tuple[int, ...] = TABLE_F,
+               sizes: tuple[int, ...] = TABLE_SIZES,
+               attacks: tuple[str, ...] = TABLE_ATTACKS) -> list[dict[str, object]]:
+    """Every run of the table: per seed a clean run of the preset's pipeline, and per f
+    and attack the preset's (unmasked) pipeline and masked buckets of each size."""
+    jobs: list[dict[str, object]] = []
+    for k in range(seeds):
+        seed = "secure-bench" if k == 0 else f"secure-bench-{k}"
+        base = {"rounds": rounds, "preset": preset, "seed": seed}
+        jobs.append({**base, "variant": "cc", "attack": None, "f": 0, "size": 0})
+        for f in fs:
+            for attack in attacks:
+                jobs.append({**base, "variant": "cc", "attack": attack, "f": f, "size": 0})
+                jobs.extend({**base, "variant": "masked", "attack": attack, "f": f, "size": s}
+                            for s in sizes)
+    return jobs
+
+
+def masked_table(results: list[tuple[dict[str, object], dict[str, object]]], *,
+                 workers: int = 16, fs: tuple[int, ...] = TABLE_F,
+                 sizes: tuple[int, ...] = TABLE_SIZES,
+                 attacks: tuple[str, ...] = TABLE_ATTACKS) -> tuple[str, dict[str, float]]:
+    """The markdown table and the summary figures from the runs of :func:`table_jobs`.
+
+    A cell is the final eval loss relative to the same seed's clean run, worst over seeds
+    with the median beside it; a masked cell beyond ``masked_withstands`` (the settings a
+    run spec refuses) is marked ``†``. Summary: the worst masked cell a run spec accepts,
+    the worst beyond it, and the worst unmasked cell."""
+    from veritrain.protocol.messages import masked_withstands
+
+    clean = {str(j["seed"]): float(r["eval_loss"]) for j, r in results if j["attack"] is None}
+    rel: dict[tuple[str, int, int], list[float]] = {}
+    for j, r in results:
+        if j["attack"] is None:
+            continue
+        key = (str(j["attack"]), int(j["f"]), int(j["size"]))  # type: ignore[call-overload]
+        c = clean[str(j["seed"])]
+        rel.setdefault(key, []).append((float(r["eval_loss"]) - c) / c)
+
+    def cell(key: tuple[str, int, int]) -> str:
+        vals = rel.get(key)
+        if not vals:
+            return "n/a"
+        mark = "" if key[2] == 0 or masked_withstands(key[1], workers, key[2]) else " †"
+        return f"{max(vals):+.1%} ({statistics.median(vals):+.1%}){mark}"
+
+    head = ["attack", "f"] + ["unmasked default"] + [f"masked s = {s}" for s in sizes]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for attack in attacks:
+        for f in fs:
+            lines.append("| " + " | ".join(
+                [attack, str(f), cell((attack, f, 0))] + [cell((attack, f, s)) for s in sizes])
+                + " |")
+    accepted = [max(v) for (a, f, s), v in rel.items() if s and masked_withstands(f, workers, s)]
+    beyond = [max(v) for (a, f, s), v in rel.items() if s and not masked_withstands(f, workers, s)]
+    unmasked = [max(v) for (a, f, s), v in rel.items() if not s]
+    summary = {
+        "worst_masked_accepted": max(accepted, default=float("nan")),
+        "worst_masked_beyond": max(beyond, default=float("nan")),
+        "worst_unmasked": max(unmasked, default=float("nan")),
+    }
+    return "\n".join(lines), summary
+
+
+def run_masked_table(seeds: int, rounds: int, preset: str, jobs: int,
+                     out_dir: Path) -> dict[str, float]:
+    """Run the table's cells in ``jobs`` processes (one torch thread each), write
+    ``secure-averaging-masked.md`` and ``.json`` under ``out_dir``, print the table."""
+    todo = table_jobs(seeds, rounds, preset)
+    results: list[tuple[dict[str, object], dict[str, object]]] = []
+    started = time.perf_counter()
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(jobs) as pool:
+        for job, res in pool.imap_unordered(_table_cell, todo, chunksize=1):
+            results.append((job, res))
+            print(f"  [{len(results)}/{len(todo)}] {job['seed']} {job['variant']} "
+                  f"s={job['size']} f={job['f']} {job['attack']}: "
+                  f"loss {res['eval_loss']:.4f} ({res['seconds']:.0f} s)", flush=True)
+    table, summary = masked_table(results)
+    header = (f"Masked robustness: charlm `{preset}` preset, {rounds} rounds, 16 workers, "
+              f"{seeds} seeds, segment spot checks off in every run; final eval loss "
+              "relative to the seed's clean run (the preset's pipeline, no attack), worst "
+              "over seeds (median). Unmasked default: the preset's pipeline (norm and probe "
+              "filters, CenteredClip). Masked: CenteredClip over bucket means, no per-update "
+              "filter, Byzantine inputs unclipped (saturated). † beyond `masked_withstands` "
+              f"(a run spec refuses it). {len(todo)} runs, "
+              f"{time.perf_counter() - started:.0f} s.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "secure-averaging-masked.md").write_text(header + "\n\n" + table + "\n")
+    (out_dir / "secure-averaging-masked.json").write_text(json.dumps(
+        {"summary": summary, "runs": [{"job": j, "result": r} for j, r in results]}, indent=1))
+    print(header)
+    print(table)
+    return summary
 
 
 def report_masking(mk: dict[str, float], args: argparse.Namespace, threads: int) -> float:
@@ -686,10 +826,17 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        choices=("masking", "sharding", "checking", "robustness"),
+        choices=("masking", "sharding", "checking", "robustness", "masked-table"),
         default=None,
-        help="run one part (robustness: the swarm runs alone, implies --robustness)",
+        help="run one part (robustness: the swarm runs alone, implies --robustness; "
+        "masked-table: the masked robustness grid of issue 27, alone)",
     )
+    ap.add_argument("--table-seeds", type=int, default=3, help="masked-table: swarm seeds")
+    ap.add_argument("--table-rounds", type=int, default=10, help="masked-table: rounds")
+    ap.add_argument("--table-preset", default="tiny", help="masked-table: charlm preset")
+    ap.add_argument("--jobs", type=int, default=2, help="masked-table: processes")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent
+                    / "bench-out", help="masked-table: where its .md and .json go")
     ap.add_argument("--robustness", action="store_true")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument(
@@ -699,6 +846,12 @@ def main() -> None:
         "no trail, are banned in round 0)",
     )
     args = ap.parse_args()
+    if args.only == "masked-table":
+        summary = run_masked_table(args.table_seeds, args.table_rounds, args.table_preset,
+                                   args.jobs, args.out)
+        print(f"secure_averaging_masked: seeds={args.table_seeds} "
+              + " ".join(f"{k}={v:+.1%}" for k, v in summary.items()))
+        return
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     threads = args.threads or torch.get_num_threads()

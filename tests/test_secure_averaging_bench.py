@@ -121,3 +121,37 @@ def test_byzantine_rows_found_by_value() -> None:
     assert rows(stacked) == {1}
     admit(Cand("a"), None, 1)  # a new round forgets the last one's rows
     assert rows(stacked) == set() and rows.aggregated == 1
+
+
+def test_a_masked_swarm_cell_aggregates_bucket_means_with_the_byzantine_rows_in_them() -> None:
+    """One real masked cell (the node's ``process_round``, its ``aggregate_locally``
+    replaced by the simulation): every Byzantine row reaches the bucket sums (no filter
+    sees single updates), and the validator's own aggregation is back afterwards."""
+    import veritrain.validators.round as round_mod
+
+    before = round_mod.aggregate_locally
+    run = B.robustness_cell("masked", "alie", rounds=2, preset="tiny", f=2, size=4,
+                            spot_checks=False)
+    assert run.byzantine_aggregated == 2 * 2 and run.rejected == {}
+    assert run.eval_loss == run.eval_loss  # finite, not NaN
+    assert round_mod.aggregate_locally is before
+
+
+def test_the_masked_table_takes_the_worst_seed_and_marks_refused_settings() -> None:
+    def res(seed: str, f: int, size: int, attack: str | None, loss: float):
+        job = {"seed": seed, "f": f, "size": size, "attack": attack,
+               "variant": "masked" if size else "cc"}
+        return job, {"eval_loss": loss}
+
+    results = [res("a", 0, 0, None, 2.0), res("b", 0, 0, None, 1.0), res("c", 0, 0, None, 1.0)]
+    results += [res("a", 1, 2, "alie", 2.2), res("b", 1, 2, "alie", 1.05),
+                res("c", 1, 2, "alie", 1.01)]  # +10%, +5%, +1%: worst +10%, median +5%
+    results += [res(k, 4, 2, "alie", 1.5 * c) for k, c in (("a", 2.0), ("b", 1.0), ("c", 1.0))]
+    results += [res(k, 1, 0, "alie", c) for k, c in (("a", 2.0), ("b", 1.0), ("c", 1.0))]
+    table, summary = B.masked_table(results, fs=(1, 4), sizes=(2,), attacks=("alie",))
+    rows = table.splitlines()
+    assert rows[2] == "| alie | 1 | +0.0% (+0.0%) | +10.0% (+5.0%) |"
+    assert rows[3] == "| alie | 4 | n/a | +50.0% (+50.0%) † |"  # 2 f < floor(16 / 2) fails
+    assert summary["worst_masked_accepted"] == pytest.approx(0.10)
+    assert summary["worst_masked_beyond"] == pytest.approx(0.50)
+    assert summary["worst_unmasked"] == pytest.approx(0.0)
