@@ -61,6 +61,7 @@ STATUS_BY_REASON = {
     "not_masked": 409,
     "wrong_sealed_list": 409,
     "wrong_participants": 409,
+    "wrong_masked": 409,
     "phase_closed": 409,
     "not_expected": 403,
     "wrong_bucket": 403,

@@ -60,6 +60,12 @@ from veritrain.protocol.messages import (
     Submission,
     digest_of,
 )
+from veritrain.protocol.openings import (
+    committed_inputs,
+    inputs_digest,
+    survivor_buckets,
+    verify_openings,
+)
 from veritrain.protocol.rules import PENALIZED_REASONS
 from veritrain.protocol.schedule import void_reason
 from veritrain.protocol.secagg import round_buckets
@@ -178,6 +184,9 @@ class RoundState:
     shard_faults: set[int] = field(default_factory=set)
     secagg_bucket_of: dict[str, int] | None = None  # worker -> bucket, once dealt
     secagg_posts: set[tuple[str, str]] = field(default_factory=set)  # (board kind, sender)
+    secagg_masked: dict[str, tuple[int, str]] = field(default_factory=dict)  # worker -> (bucket, post digest)
+    openings_seed: str | None = None  # masked runs: the seed the checks are drawn from
+    openings_buckets: list[list[str]] | None = None  # ... and the survivor sets they keep
     challenges: dict[str, list[int]] | None = None  # worker -> segments, once fixed
     challenges_row: int = -1
     reveal_deadline: float | None = None
@@ -503,6 +512,45 @@ def process_secagg_post(state: AuditState, index: int, post: Any, signer: str) -
     rnd.secagg_posts.add((board_kind, sender))
 
 
+def process_secagg_masked(state: AuditState, index: int, post: Any, signer: str,
+                          digest: str) -> None:
+    """A ``secagg_masked_input`` row (:func:`process_secagg_post`), its digest kept for the
+    round's ``openings_fixed``."""
+    process_secagg_post(state, index, post, signer)
+    get_round(state, post.round).secagg_masked[post.worker] = (post.bucket, digest)
+
+
+def process_openings_fixed(state: AuditState, index: int, body: dict[str, Any]) -> None:
+    """9.3 ``openings_fixed``: "after the buckets of a masked run, once per round; each
+    input a chained `secagg_masked_input` row (bucket, sender, digest), `masked` their
+    `inputs_digest`, and `signature` the run's group signature (threshold beacon) or
+    `shares` a quorum's BLS signatures over `openings_root(run, r, masked)`; `seed`
+    follows from it" (protocol/openings.py)."""
+    spec = get_spec(state)
+    rnd = get_round(state, body["round"])
+    if spec.masked is None or rnd.secagg_bucket_of is None or rnd.openings_seed is not None:
+        raise Bad("an openings seed outside a dealt masked round, or twice")
+    inputs = body.get("inputs")
+    if not isinstance(inputs, list) or any(
+            not isinstance(x, list) or len(x) != 3
+            or rnd.secagg_masked.get(x[1]) != (x[0], x[2]) for x in inputs):
+        raise Bad("openings over inputs that are not the round's chained masked inputs")
+    if inputs != committed_inputs(inputs) or body.get("masked") != inputs_digest(inputs):
+        raise Bad("openings over a digest that is not its inputs'")
+    group = state.dkg_group_key if spec.threshold_beacon else None
+    if spec.threshold_beacon and group is None:
+        raise Bad("a threshold openings seed without the run's DKG group key")
+    try:
+        seed = verify_openings(spec.validators, spec.quorum, group, spec.run_id, rnd.index,
+                               body, body["masked"])
+    except RejectedInput as exc:
+        raise Bad(f"openings seed: {exc}") from None
+    if body.get("seed") != seed.hex():
+        raise Bad("the openings seed does not follow from its signature")
+    rnd.openings_seed = seed.hex()
+    rnd.openings_buckets = survivor_buckets(inputs)
+
+
 # ----------------------------------------------------------------------------- ledger records
 
 
@@ -640,6 +688,8 @@ def process_challenges_fixed(state: AuditState, index: int, body: dict[str, Any]
     rnd = get_round(state, body["round"])
     if rnd.beacon_seed is None or rnd.challenges is not None:
         raise Bad("checks fixed before the beacon, or twice")
+    if get_spec(state).masked is not None and rnd.openings_seed is None:
+        raise Bad("a masked round's checks fixed before its openings seed")
     challenges, deadline = body["challenges"], body["reveal_deadline"]
     if not isinstance(challenges, dict) or not isinstance(deadline, int | float) or any(
             not isinstance(v, list) for v in challenges.values()):
@@ -806,12 +856,15 @@ def check_checks_and_reveals(state: AuditState, rnd: RoundState, res: RecordedRe
     if rnd.challenges is None:
         return
     submitted = take(res.facts.submitted)
-    assert rnd.beacon_seed is not None
+    seed = rnd.openings_seed or rnd.beacon_seed
+    assert seed is not None
     policy = ChallengePolicy.of_run(get_spec(state))
-    expected = compute_challenges(bytes.fromhex(rnd.beacon_seed), sorted(submitted), policy)
+    expected = compute_challenges(bytes.fromhex(seed), sorted(submitted), policy,
+                                  buckets=rnd.openings_buckets)
     if rnd.challenges != expected:
         raise BadEarlier(rnd.challenges_row, "challenges_fixed",
-                         "checks are not the beacon's draw over the sealed submitters")
+                         "checks are not the beacon's (masked: the openings seed's) draw "
+                         "over the sealed submitters")
     due = set(policy.checked_workers(expected))
     for worker, (i, digest) in sorted(rnd.reveals.items(), key=lambda kv: kv[1][0]):
         if worker not in due or submitted.get(worker) != digest:
@@ -1081,6 +1134,7 @@ RECORD_RULES: dict[str, Callable[[AuditState, int, dict[str, Any]], RoundState |
     "dkg_group_fixed": process_dkg_group_fixed,
     "threshold_beacon_fixed": process_threshold_beacon_fixed,
     "challenges_fixed": process_challenges_fixed,
+    "openings_fixed": process_openings_fixed,
     "shard_list_fixed": process_shard_list_fixed,
     "shard_check_fixed": process_shard_check_fixed,
     "shard_fault": process_shard_fault,

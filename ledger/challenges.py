@@ -38,9 +38,11 @@ class RevealLate(RejectedInput):
     reason = "reveal_late"
 
 
-def fix_challenges(s: Session, spec: RunSpec, rnd: t.Round, seed: bytes, now: float
-                   ) -> dict[str, list[int]]:
-    """Record every worker's challenged segments, whether a reveal is due, and its bound."""
+def fix_challenges(s: Session, spec: RunSpec, rnd: t.Round, seed: bytes, now: float, *,
+                   buckets: list[list[str]] | None = None) -> dict[str, list[int]]:
+    """Record every worker's challenged segments, whether a reveal is due, and its bound.
+    A masked round's come from its openings seed over the survivor sets (``buckets``),
+    once the masked inputs are committed (ledger/openings.py)."""
     subs = {}
     for envelope in s.execute(select(t.Submission.envelope).where(
             t.Submission.run_id == rnd.run_id, t.Submission.round == rnd.round)).scalars():
@@ -48,7 +50,7 @@ def fix_challenges(s: Session, spec: RunSpec, rnd: t.Round, seed: bytes, now: fl
         subs[sub.worker] = sub
     masked = spec.masked
     policy = ChallengePolicy.of_run(spec)
-    challenges = compute_challenges(seed, sorted(subs), policy)
+    challenges = compute_challenges(seed, sorted(subs), policy, buckets=buckets)
     due = set(policy.checked_workers(challenges))
     for worker, segments in challenges.items():
         bound = max_reveal_file_bytes(
@@ -57,8 +59,10 @@ def fix_challenges(s: Session, spec: RunSpec, rnd: t.Round, seed: bytes, now: fl
         s.add(t.ChallengeRow(run_id=rnd.run_id, round=rnd.round, worker=worker,
                              segments=encode_canonical(segments).decode(),
                              due=worker in due, max_bytes=bound))
-    # A masked round's board phases come first: reveals follow the masked inputs.
-    board = len(PHASES) * masked["phase_seconds"] if masked is not None else 0.0
+    # A masked round's openings are drawn once the masked phase closed: the view and reveal
+    # phases may still run, and the opened workers' reveals follow.
+    board = (len(PHASES) - PHASES.index("masked") - 1) * masked["phase_seconds"] \
+        if masked is not None else 0.0
     rnd.reveal_deadline = now + board + spec.verification["reveal_seconds"]
     return challenges
 

@@ -16,6 +16,7 @@ from veritrain.protocol.encoding import decode_canonical
 from veritrain.protocol.errors import EncodingError, RejectedInput
 from veritrain.protocol.messages import (
     BeaconShare,
+    OpeningsShare,
     Registration,
     RoundResult,
     RunSpec,
@@ -471,6 +472,16 @@ async def post_secagg_masked(request: web.Request) -> web.Response:
     finally:
         _discard(staged)
     return web.json_response(reply, status=201)
+
+
+@routes.post("/v1/runs/{run_id}/rounds/{round}/secagg/openings")
+async def post_openings_share(request: web.Request) -> web.Response:
+    """A validator's share of a masked round's openings seed (protocol/openings.py): taken
+    once the masked inputs are committed, over the board's own inputs digest only."""
+    ledger = request.app[LEDGER]
+    signed = open_signed(await read_message(request), OpeningsShare)
+    return web.json_response(await ledger.write(ledger.store.post_openings_share, signed),
+                             status=201)
 
 
 @routes.post("/v1/runs/{run_id}/rounds/{round}/secagg/{kind}")

@@ -270,7 +270,17 @@ def _paths() -> dict[str, Any]:
                           "only this bucket's state and posts")],
                       {**ok(obj({"run_id": STR, "round": INT, "now": NUM, "started_at": NUM,
                                  "phases": arr(OBJ), "complete": BOOL, "buckets": arr(OBJ),
-                                 "posts": OBJ})), **problems(404, 409)})},
+                                 "posts": OBJ, "openings": obj({
+                                     "inputs": nullable(arr({"type": "array"})),
+                                     "masked": nullable(STR), "shares": arr(OBJ),
+                                     "fixed": nullable(OBJ)})})), **problems(404, 409)})},
+        rnd + "/secagg/openings": {
+            "post": op("a validator's share of the round's openings seed (once the masked "
+                       "inputs are committed, over the board's own inputs digest); the share "
+                       "that makes a quorum fixes the seed and the round's checks",
+                       [RUN, ROUND], {**ok(OBJ, "recorded", 201),
+                                      **problems(400, 401, 403, 404, 409, 413)},
+                       json_body("signed OpeningsShare"), tag="write")},
         rnd + "/secagg/masked": {
             "post": op("a bucket member's masked input (while the masked phase is open)",
                        [RUN, ROUND], {"201": ok(obj({"kind": STR, "already": BOOL}), "recorded",

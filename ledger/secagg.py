@@ -108,9 +108,13 @@ class Board:
         self.started_at: float = body["started_at"]
         self.bucket_of = {w: b for b, members in enumerate(self.buckets) for w in members}
         self.posts: dict[str, dict[str, t.SecaggMessage]] = {k: {} for k in KINDS}
+        #: The round's other rows: the openings seed's shares and record (ledger/openings.py).
+        self.extra: list[t.SecaggMessage] = []
         for row in rows:
             if row.kind in self.posts:
                 self.posts[row.kind][row.sender] = row
+            elif row.kind != "start":
+                self.extra.append(row)
         received = {k: {w: (row.bucket, row.received_at) for w, row in self.posts[k].items()}
                     for k in ("keys", "deal", "masked", "view", "reveal")}
         self.phases: list[Phase]

@@ -34,6 +34,7 @@ from veritrain.protocol.identity import Identity
 from veritrain.protocol.membership import admission_problem_of_spec
 from veritrain.protocol.messages import (
     BeaconShare,
+    OpeningsShare,
     Receipt,
     Registration,
     RevealReceipt,
@@ -49,11 +50,12 @@ from veritrain.protocol.messages import (
     open_signed,
     sign,
 )
+from veritrain.protocol.openings import survivor_buckets
 from veritrain.protocol.rules import SubmissionContext, check_submission
 from veritrain.protocol.schedule import Action, RoundStatus, RoundView, next_action, void_reason
 
 from . import dkg as dkg_board
-from . import membership, migrate, secagg, shards
+from . import membership, migrate, openings, secagg, shards
 from . import schema as t
 from .admission import BlsVerifier
 from .blobs import BlobStore, StagedBlob
@@ -816,11 +818,12 @@ class LedgerStore:
         in a masked run."""
         assert rnd.beacon is not None
         seed = bytes.fromhex(beacon_seed_of(rnd.beacon))
-        fixed = fix_challenges(s, spec, rnd, seed, self.clock())
-        self._ledger_event(s, rnd.run_id, "challenges_fixed", {
-            "run_id": rnd.run_id, "round": rnd.round, "reveal_deadline": rnd.reveal_deadline,
-            "challenges": fixed})
-        if spec.masked is not None:
+        if spec.masked is None:
+            fixed = fix_challenges(s, spec, rnd, seed, self.clock())
+            self._ledger_event(s, rnd.run_id, "challenges_fixed", {
+                "run_id": rnd.run_id, "round": rnd.round,
+                "reveal_deadline": rnd.reveal_deadline, "challenges": fixed})
+        else:  # a masked round's checks wait for its openings seed (post_openings_share)
             workers = sorted(s.execute(select(t.Submission.worker).where(
                 t.Submission.run_id == rnd.run_id, t.Submission.round == rnd.round)).scalars())
             started = secagg.start_round(s, spec, rnd.round, seed, workers, self.clock())
@@ -941,7 +944,39 @@ class LedgerStore:
                      bucket: int | None = None) -> dict[str, Any]:
         spec = self.get_spec(s, run_id)
         self._round(s, run_id, r)
-        return secagg.Board(s, spec, r, self.clock()).view(bucket)
+        board = secagg.Board(s, spec, r, self.clock())
+        return {**board.view(bucket), "openings": openings.state(board)}
+
+    def post_openings_share(self, signed: Signed[OpeningsShare]) -> dict[str, Any]:
+        """A validator's share of a masked round's openings seed (ledger/openings.py); the
+        share that makes a quorum fixes the seed (``openings_fixed``) and, from it, the
+        round's checks (``challenges_fixed``)."""
+        msg = signed.message
+        with self.sessions.begin() as s:
+            spec = self.get_spec(s, msg.run_id)
+            if spec.masked is None:
+                raise RejectedInput(f"run {spec.run_id} does not mask its updates", "not_masked")
+            idx, rnd = self._closed_round_for_validator(s, spec, signed.signer, msg.validator,
+                                                        msg.round, "openings share")
+            if spec.threshold_beacon:
+                group = dkg_board.group_result(s, msg.run_id)
+                if group is None:
+                    raise WrongState("the run's DKG has not fixed a group key yet")
+                key = group.public_shares[idx]
+            else:
+                key = spec.validators[idx]["bls"]
+            reply, _, fixed = openings.accept_share(s, spec, rnd, idx, signed, key,
+                                                      self.clock(), spec.threshold_beacon)
+            if fixed is not None:  # shares are kept, not chained: the record verifies alone
+                self._ledger_event(s, msg.run_id, "openings_fixed",
+                                   {"run_id": msg.run_id, **fixed})
+                checks = fix_challenges(s, spec, rnd, bytes.fromhex(fixed["seed"]),
+                                        self.clock(),
+                                        buckets=survivor_buckets(fixed["inputs"]))
+                self._ledger_event(s, rnd.run_id, "challenges_fixed", {
+                    "run_id": rnd.run_id, "round": rnd.round,
+                    "reveal_deadline": rnd.reveal_deadline, "challenges": checks})
+            return reply
 
     def round_shards(self, s: Session, run_id: str, r: int) -> dict[str, Any]:
         spec = self.get_spec(s, run_id)

@@ -792,6 +792,10 @@ class _Pass:
         if kind == "reveal_receipt":
             rules.process_reveal_receipt(state, i, message, signer, self.ledger_key)
             return
+        if kind == "secagg_masked_input":
+            rules.process_secagg_masked(state, i, message, signer,
+                                        hashlib.sha256(row.body).hexdigest())
+            return
         idx = SIGNED_RULES[kind](state, i, message, signer)
         if not self.full or idx is None:
             return

@@ -50,16 +50,17 @@ def select_spot_checks(seed: bytes, workers: Iterable[str], count: int) -> list[
     return _spot_rank(seed, workers)[: max(0, count)]
 
 
-def select_openings(seed: bytes, workers: Sequence[str], count: int, bucket_size: int
-                    ) -> list[str]:
-    """A masked run's opened workers, at most ``count``: the beacon's spot-check ranking,
-    except that no bucket (``round_buckets`` of the same seed and sealed submitters) is
-    left with exactly one unopened member, whose update would be the bucket sum minus the
-    opened ones: a worker that would leave one is opened only together with that last
-    one (when ``count`` allows two more), else skipped. A worker in no bucket has no
-    masked input to open."""
+def select_openings(seed: bytes, workers: Sequence[str], count: int, bucket_size: int,
+                    buckets: Sequence[Sequence[str]] | None = None) -> list[str]:
+    """A masked run's opened workers, at most ``count``: the seed's spot-check ranking,
+    except that no bucket (``buckets``: a masked round's survivor sets; by default
+    ``round_buckets`` of the same seed and sealed submitters) is left with exactly one
+    unopened member, whose update would be the bucket sum minus the opened ones: a worker
+    that would leave one is opened only together with that last one (when ``count``
+    allows two more), else skipped. A worker in no bucket has no masked input to open."""
     ranked = _spot_rank(seed, workers)
-    buckets = round_buckets(seed, workers, bucket_size)
+    if buckets is None:
+        buckets = round_buckets(seed, workers, bucket_size)
     bucket_of = {w: i for i, b in enumerate(buckets) for w in b}
     unopened = [len(b) for b in buckets]
     chosen: list[str] = []
@@ -139,11 +140,13 @@ def _uniform(seed: bytes, label: bytes, worker: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def compute_challenges(seed: bytes, workers: Sequence[str], policy: ChallengePolicy
+def compute_challenges(seed: bytes, workers: Sequence[str], policy: ChallengePolicy, *,
+                       buckets: Sequence[Sequence[str]] | None = None
                        ) -> dict[str, list[int]]:
-    """Challenged segment indices (sorted) for every worker in ``workers``."""
+    """Challenged segment indices (sorted) for every worker in ``workers``. A masked
+    round passes its openings seed and survivor sets (``buckets``, protocol/openings.py)."""
     s = policy.segments
-    full = set(select_openings(seed, workers, policy.full_checks, policy.bucket_size)
+    full = set(select_openings(seed, workers, policy.full_checks, policy.bucket_size, buckets)
                if policy.opened_only and policy.bucket_size else
                select_spot_checks(seed, workers, policy.full_checks))
     out: dict[str, list[int]] = {}

@@ -949,6 +949,29 @@ class SecaggView(Message):
 
 
 @dataclass(frozen=True)
+class OpeningsShare(Message):
+    """A validator's BLS signature over ``openings_root(run, r, masked)``, ``masked`` the
+    digest of the committed masked inputs it verified (protocol/openings.py): a partial
+    under its threshold key share in a threshold-beacon run, under its own BLS key
+    otherwise. One per validator and round."""
+
+    KIND: ClassVar[str] = "openings_share"
+    run_id: str
+    round: int
+    validator: str
+    masked: str
+    share: str
+
+    SCHEMA: ClassVar[dict[str, f.Checker]] = {
+        "run_id": f.string(64, RUN_ID_PATTERN),
+        "round": f.integer(0, MAX_ROUND),
+        "validator": f.PUBKEY,
+        "masked": f.HASH,
+        "share": f.BLS_SIGNATURE,
+    }
+
+
+@dataclass(frozen=True)
 class SecaggOpening(Message):
     """A spot-checked worker's mask secrets, so validators can re-mask the quantized
     update they recompute from its revealed payload and compare with its masked input."""

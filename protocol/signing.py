@@ -40,6 +40,10 @@ DOMAINS = (
     "secagg_reveal",
     "secagg_view",
     "secagg_opening",
+    # Masked rounds' openings seed (protocol/openings.py): the validators' posts and the
+    # BLS message they sign once the masked inputs are committed.
+    "openings_share",
+    "openings",
     "spot_reveal",
     "reveal_receipt",
     # Threshold beacon (specs/protocol.md 5.4a): the DKG's board posts, the partial

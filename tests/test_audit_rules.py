@@ -23,6 +23,7 @@ from veritrain.ledger.audit_rules import (
     RoundState,
 )
 from veritrain.ledger.chain import ChainRow
+from veritrain.protocol import bls
 from veritrain.protocol.beacon import EVERY_WORKER_ADMITTED, compute_beacon_seed, sealed_list_digest
 from veritrain.protocol.messages import (
     BeaconShare,
@@ -38,6 +39,12 @@ from veritrain.protocol.messages import (
     ShardPublication,
     Submission,
     digest_of,
+)
+from veritrain.protocol.openings import (
+    committed_inputs,
+    inputs_digest,
+    openings_root,
+    seed_of_shares,
 )
 from veritrain.protocol.secagg import round_buckets
 
@@ -651,6 +658,74 @@ def test_invalid_secagg_started(case, problem):
         buckets = [sorted([buckets[0][0], buckets[1][0]]), sorted([buckets[0][1], buckets[1][1]])]
     raises(problem, rules.process_secagg_started, state, 60, {"round": 0, "buckets": buckets})
     assert state.rounds[0].secagg_bucket_of is None
+
+
+OPENING_KEYS = [bls.keygen(bytes([40 + j]) * 32) for j in range(len(VALIDATORS))]
+
+
+def openings_state() -> tuple[AuditState, list[list[Any]]]:
+    """A dealt masked round whose two workers' masked inputs are chained, under a spec whose
+    validators hold real BLS keys."""
+    spec = dataclasses.replace(make_spec(masked=MASKED), validators=[
+        {"ed25519": v, "bls": bls.public_key(k).hex(), "bls_pop": ""}
+        for v, k in zip(VALIDATORS, OPENING_KEYS, strict=True)])
+    state = state_with(beaconed_round(secagg_bucket_of={WORKERS[0]: 0, WORKERS[1]: 0}),
+                       spec=spec)
+    for w in WORKERS[:2]:
+        rules.process_secagg_masked(state, 61, masked(w, 0), w, hashlib.sha256(
+            w.encode()).hexdigest())
+    inputs = committed_inputs((0, w, hashlib.sha256(w.encode()).hexdigest())
+                              for w in WORKERS[:2])
+    return state, inputs
+
+
+def openings_body(inputs: list[list[Any]], *, signed_over: str | None = None) -> dict[str, Any]:
+    digest = inputs_digest(inputs)
+    root = openings_root(RUN, 0, signed_over or digest)
+    shares = [bls.sign(k, root).hex() for k in OPENING_KEYS[:2]]
+    return {"round": 0, "inputs": inputs, "masked": digest, "signers": [0, 1],
+            "shares": shares, "seed": seed_of_shares([bytes.fromhex(x) for x in shares]).hex()}
+
+
+def test_a_masked_rounds_checks_come_from_its_openings_seed_over_chained_inputs():
+    state, inputs = openings_state()
+    raises("a masked round's checks fixed before its openings seed",
+           rules.process_challenges_fixed, state, 62,
+           {"round": 0, "reveal_deadline": 1.0, "challenges": {}})
+    body = openings_body(inputs)
+    rules.process_openings_fixed(state, 62, body)
+    rnd = state.rounds[0]
+    assert rnd.openings_seed == body["seed"]
+    assert rnd.openings_buckets == [sorted(WORKERS[:2])]
+    rules.process_challenges_fixed(state, 63, {"round": 0, "reveal_deadline": 1.0,
+                                               "challenges": {}})
+    raises("an openings seed outside a dealt masked round, or twice",
+           rules.process_openings_fixed, state, 64, body)
+
+
+@pytest.mark.parametrize(("case", "problem"), [
+    ("unchained", "openings over inputs that are not the round's chained masked inputs"),
+    ("other bucket", "openings over inputs that are not the round's chained masked inputs"),
+    ("digest", "openings over a digest that is not its inputs'"),
+    ("signed over other", "openings seed: validator 0's openings share is not its signature "
+     "over these committed masked inputs"),
+    ("seed", "the openings seed does not follow from its signature"),
+])
+def test_invalid_openings_fixed(case, problem):
+    state, inputs = openings_state()
+    body = openings_body(inputs)
+    if case == "unchained":
+        body = openings_body(inputs + [[0, WORKERS[2], "00" * 32]])
+    elif case == "other bucket":
+        body = openings_body([[1, w, d] for _, w, d in inputs])
+    elif case == "digest":
+        body["masked"] = "11" * 32
+    elif case == "signed over other":
+        body = openings_body(inputs, signed_over="22" * 32)
+    else:
+        body["seed"] = "33" * 32
+    raises(problem, rules.process_openings_fixed, state, 62, body)
+    assert state.rounds[0].openings_seed is None
 
 
 @pytest.mark.parametrize(("post", "signer", "problem"), [

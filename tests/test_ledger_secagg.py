@@ -35,11 +35,13 @@ from veritrain.protocol.beacon import (
     compute_beacon_seed,
     sealed_list_digest_of,
 )
+from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.encoding import decode_canonical
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import (
     SEALED_SHARES_BYTES,
     BeaconShare,
+    OpeningsShare,
     SecaggDeal,
     SecaggKeys,
     SecaggMasked,
@@ -49,6 +51,12 @@ from veritrain.protocol.messages import (
     Submission,
     open_signed,
     sign,
+)
+from veritrain.protocol.openings import (
+    inputs_digest,
+    openings_root,
+    survivor_buckets,
+    verify_openings,
 )
 from veritrain.protocol.presets import run_preset
 from veritrain.protocol.secagg import round_buckets, view_digest
@@ -454,6 +462,16 @@ def test_replayed_board_posts_do_not_spend_the_senders_budget(tmp_path, ledger_u
     assert out["limited"] == 0
 
 
+async def post_share(api: Api, v: Identity, digest: str, *, signed_over: str | None = None
+                     ) -> tuple[int, Any]:
+    """Validator ``v``'s openings share over ``digest`` (its BLS signature over
+    ``signed_over`` instead, if given)."""
+    root = openings_root(RUN, 0, signed_over or digest)
+    share = OpeningsShare(run_id=RUN, round=0, validator=pk(v), masked=digest,
+                          share=v.sign_bls(root).hex())
+    return await api.post_json(f"{BOARD}/openings", sign(v, share).to_wire())
+
+
 def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url):
     run = masked_run(spot_checks=2)
     ids = [Identity.generate("worker") for _ in range(6)]
@@ -465,8 +483,11 @@ def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url):
         buckets = by_bucket(view, ids)
         keys_of = [[pk(w) for w in b] for b in buckets]
         out["buckets"] = keys_of
-        out["challenged"] = [c["worker"] for c in (await api.get(
-            f"/v1/runs/{RUN}/rounds/0/challenges"))[1]["challenges"]]
+        v0, v1 = run.validators
+        # The openings are drawn only once the masked inputs are committed: no checks
+        # yet, and a share before the masked phase closed is refused.
+        out["checks_at_deal"] = (await api.get(f"/v1/runs/{RUN}/rounds/0/challenges"))[1]
+        out["early_share"] = await post_share(api, v0, "0" * 64)
         for i, b in enumerate(buckets):
             for w in b:
                 assert (await post(api, "keys", w, keys_msg(w, i)))[0] == 201
@@ -505,6 +526,17 @@ def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url):
         out["masked_again"] = await post_masked(api, w, masked_msg(w, i, data,
                                                                    group=keys_of[i]), b"")
         out["closes"].append(await board(api))
+        committed = out["closes"][-1]["openings"]
+        out["committed"] = committed
+        out["wrong_share"] = await post_share(api, v0, "0" * 64)
+        out["bad_share"] = await post_share(api, v0, committed["masked"], signed_over="1" * 64)
+        out["share0"] = await post_share(api, v0, committed["masked"])
+        out["checks_at_one"] = (await api.get(f"/v1/runs/{RUN}/rounds/0/challenges"))[1]
+        out["share1"] = await post_share(api, v1, committed["masked"])
+        out["second_share"] = await post_share(api, v1, "0" * 64)
+        out["fixed"] = (await board(api))["openings"]["fixed"]
+        out["challenged"] = [c["worker"] for c in (await api.get(
+            f"/v1/runs/{RUN}/rounds/0/challenges"))[1]["challenges"]]
         who = {pk(w): (w, i) for i, b in enumerate(buckets) for w in b}
         unchallenged = next(k for k in who if k not in out["challenged"])
         uw, ui = who[unchallenged]
@@ -572,6 +604,24 @@ def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url):
     assert out["masked_unchanged"]
     assert refused(out["refused_words"], 404, "not_found")
     assert out["masked_again"] == (201, {"kind": "masked", "already": True})
+    assert out["checks_at_deal"]["fixed"] is False
+    assert refused(out["early_share"], 409, "phase_closed")
+    committed = out["committed"]
+    assert committed["fixed"] is None and len(committed["inputs"]) == 6
+    assert committed["masked"] == inputs_digest(committed["inputs"])
+    assert refused(out["wrong_share"], 409, "wrong_masked")
+    assert refused(out["bad_share"], 401, "bad_signature")
+    assert out["share0"][0] == 201 and out["checks_at_one"]["fixed"] is False
+    assert out["share1"][0] == 201
+    assert refused(out["second_share"], 409, "wrong_masked")
+    fixed = out["fixed"]
+    seed = verify_openings([{"bls": v.public.bls} for v in run.validators], 2, None,
+                           RUN, 0, fixed, committed["masked"])
+    assert fixed["seed"] == seed.hex() and fixed["signers"] == [0, 1]
+    policy = ChallengePolicy.of_run(run.spec)
+    drawn = compute_challenges(seed, everyone, policy,
+                               buckets=survivor_buckets(committed["inputs"]))
+    assert sorted(out["challenged"]) == sorted(w for w, segs in drawn.items() if segs)
     assert len(out["challenged"]) == 2
     assert refused(out["not_challenged"], 403, "not_challenged")
     assert [s for s, _ in out["openings"]] == [201, 201]
@@ -716,10 +766,18 @@ def test_real_masked_workers_complete_the_board_and_it_unmasks_to_their_sum(tmp_
         out: dict[str, Any] = {}
         api.store.clock = LedgerClock()
         await open_board(api, run, ids)
+
+        async def validators_draw_the_openings() -> None:
+            """What the validators do once the masked inputs are committed."""
+            while (view := await board(api))["openings"]["masked"] is None:
+                await asyncio.sleep(0.05)
+            for v in run.validators:
+                assert (await post_share(api, v, view["openings"]["masked"]))[0] == 201
+
         async with LedgerClient(api.url, retry_for=5.0) as client:
-            out["ended"] = await asyncio.gather(*[
+            out["ended"], _ = await asyncio.gather(asyncio.gather(*[
                 take_part(client, run.spec, w, 0, updates[pk(w)], poll_seconds=0.05,
-                          attack=None) for w in ids])
+                          attack=None) for w in ids]), validators_draw_the_openings())
         view = await board(api)
         # take_part returns after its reveal; the last reveal closes the board.
         out["view"] = view

@@ -124,9 +124,15 @@ async def _no_deal_check(self: MaskedRound, view: dict[str, Any]) -> None:
     """The beacon and the deal are checked elsewhere (test_masked_rounds): not here."""
 
 
+async def _no_openings(self: MaskedRound) -> None:
+    """The openings seed is drawn and checked elsewhere (test_ledger_secagg,
+    test_masked_rounds): this board is about the bucket's views."""
+
+
 @pytest.fixture(autouse=True)
 def _skip_the_deal_check(monkeypatch):
     monkeypatch.setattr(MaskedRound, "_check_deal", _no_deal_check)
+    monkeypatch.setattr(MaskedRound, "open_if_challenged", _no_openings)
 
 
 def pk(w: Identity) -> str:

@@ -41,6 +41,7 @@ from veritrain.aggregation.secure import (
     unmask_bucket,
 )
 from veritrain.protocol.board import BoardFault, open_member_post
+from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.messages import (
     RunSpec,
@@ -56,7 +57,7 @@ from veritrain.protocol.secagg import bucket_threshold, usable_x25519, view_dige
 from veritrain.protocol.secagg_wire import advert_of, bucket_context, commitments_of, reveal_of
 
 from .checks import Candidate, admit, admit_envelope, group_by_worker
-from .round import FilteredRound, resolve_aggregator_params, round_challenges
+from .round import FilteredRound, resolve_aggregator_params
 from .spot_checks import check_reveal, failure_where, revealed_payload
 
 
@@ -222,7 +223,8 @@ def filter_masked_round(
     candidates: list[Candidate],
     registered: set[str],
     banned: set[str],
-    beacon_seed: bytes,
+    checks_seed: bytes,
+    survivor_sets: list[list[str]],
     view: Mapping[str, Any],
     words: Mapping[str, np.ndarray],
     *,
@@ -233,7 +235,9 @@ def filter_masked_round(
 
     ``view`` is the ledger's board (``GET .../secagg``), ``words`` the survivors'
     masked inputs by worker, ``reveals`` the opened workers' reveal files (which carry
-    their payloads: the ledger never stored them).
+    their payloads: the ledger never stored them). ``checks_seed`` is the round's
+    verified openings seed and ``survivor_sets`` the survivors it was drawn over
+    (protocol/openings.py): the opened workers and their checks follow from them.
     """
     spec = run.spec
     reveals = reveals or {}
@@ -282,7 +286,8 @@ def filter_masked_round(
         if bk is not None and worker in bk.board.survivors and bk.dropped is None:
             bk.dropped = f"{worker[:12]} was rejected but its input is masked in the sum"
 
-    challenges = round_challenges(run, candidates, beacon_seed)
+    challenges = compute_challenges(checks_seed, sorted({c.worker for c in candidates}),
+                                    ChallengePolicy.of_run(spec), buckets=survivor_sets)
     checks: dict[str, list[dict[str, Any]]] = {}
     distances: dict[str, float] = {}
     for worker in sorted(w for w, segments in challenges.items() if segments):
@@ -301,7 +306,7 @@ def filter_masked_round(
                 bk.dropped = f"{worker[:12]}'s masked input cannot be opened"
             continue
         results = check_reveal(run, base_flat, sub, None, challenges[worker],
-                               reveals.get(worker), beacon_seed, device=device, masked=True)
+                               reveals.get(worker), checks_seed, device=device, masked=True)
         checks[worker] = [x.to_json() for x in results]
         finite = [x.distance for x in results if x.distance is not None]
         if finite:

@@ -44,13 +44,18 @@ from veritrain.protocol.beacon import (
 )
 from veritrain.protocol.board import BoardFault, SignedOnce
 from veritrain.protocol.certificates import CERTIFIED_MARK_FILE, CertifiedMark, base_round
-from veritrain.protocol.challenges import ChallengePolicy, max_reveal_file_bytes
+from veritrain.protocol.challenges import (
+    ChallengePolicy,
+    compute_challenges,
+    max_reveal_file_bytes,
+)
 from veritrain.protocol.errors import NonFiniteError, PayloadError, RejectedInput
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.memory import release_free_memory
 from veritrain.protocol.messages import (
     BeaconShare,
     CertifiedState,
+    OpeningsShare,
     RevealReceipt,
     RoundResult,
     RunSpec,
@@ -59,6 +64,13 @@ from veritrain.protocol.messages import (
     digest_of,
     open_signed,
     sign,
+)
+from veritrain.protocol.openings import (
+    inputs_digest,
+    openings_root,
+    survivor_buckets,
+    verified_inputs,
+    verify_openings,
 )
 from veritrain.protocol.outer import OuterState
 from veritrain.protocol.runtime import RunContext
@@ -650,6 +662,7 @@ class ValidatorNode:
         assert masked is not None
         check_dealt(seed, [c.signed.message.worker for c in candidates], masked["bucket_size"],
                     [b["assigned"] for b in view["buckets"]])
+        checks_seed, survivor_sets = await self.openings_seed(client, spec, r, path)
         while not view["complete"]:
             await asyncio.sleep(self.config.poll_seconds)
             view = await client.get_json(path)
@@ -658,7 +671,9 @@ class ValidatorNode:
             None if scratch is None else BlobFiles(scratch / "reveals"))
         challenges = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/challenges")
         survivors = {w for b in view["buckets"] if b["live"] for w in b["survivors"] or ()}
-        waiting = {c["worker"] for c in challenges["challenges"]} & survivors
+        opened = compute_challenges(checks_seed, sorted(c.worker for c in candidates),
+                                    ChallengePolicy.of_run(spec), buckets=survivor_sets)
+        waiting = {w for w, segments in opened.items() if segments} & survivors
         while (waiting - {o["body"]["worker"] for o in view["posts"]["opening"]}
                and view["now"] < (challenges["reveal_deadline"] or 0)):
             await asyncio.sleep(self.config.poll_seconds)
@@ -677,12 +692,73 @@ class ValidatorNode:
                             body["worker"][:12], exc)
         filtered = await asyncio.to_thread(
             filter_masked_round, run, r, info["base_model_hash"], base_flat, candidates,
-            registered, banned, seed, view, words, reveals=reveals,
+            registered, banned, checks_seed, survivor_sets, view, words, reveals=reveals,
             device=self.config.device)
         live = sum(1 for b in view["buckets"] if b["live"])
         log.info("round %d: %d of %d buckets unmasked, %d rows aggregated", r, live,
                  len(view["buckets"]), 0 if filtered.stacked is None else filtered.stacked.shape[0])
         return filtered
+
+    async def openings_seed(self, client: LedgerClient, spec: RunSpec, r: int, path: str
+                            ) -> tuple[bytes, list[list[str]]]:
+        """The round's openings seed and the survivor sets it is drawn over
+        (protocol/openings.py): once the board says the masked inputs are committed,
+        sign this node's own digest of the posts that check out (once per round, whatever
+        the ledger shows later), post the share, and check the fixed seed against that
+        same digest. ``invalid_openings`` when it does not verify; a round finalized or
+        voided meanwhile ends the wait (``round_finalized``)."""
+        view = await client.get_json(path)
+        while view["openings"]["masked"] is None and view["openings"]["fixed"] is None:
+            await self._round_still_open(client, spec, r)
+            await asyncio.sleep(self.config.poll_seconds)
+            view = await client.get_json(path)
+        faults: list[str] = []
+        inputs = verified_inputs(spec.run_id, r, view, faults)
+        self.skipped_posts.extend({"kind": "secagg_masked", "round": r, "fault": f}
+                                  for f in faults)
+        digest = inputs_digest(inputs)
+        root = openings_root(spec.run_id, r, digest)
+        group_key = None
+        share: bytes | None
+        if spec.threshold_beacon:
+            if self.dkg_result is None:
+                await self.run_dkg(client, spec)
+            assert self.dkg_result is not None
+            group_key = self.dkg_result.group_key
+            held = self.dkg_node.share if self.dkg_node is not None else None
+            share = None if held is None else dkg.partial_sign(held, root)
+        else:
+            share = self.identity.sign_bls(root)
+        if share is not None and view["openings"]["fixed"] is None:
+            self.signed_once.claim("openings", spec.run_id, r, digest)
+            post = OpeningsShare(run_id=spec.run_id, round=r, validator=self.me,
+                                 masked=digest, share=share.hex())
+            try:
+                await client.post_message(f"{path}/openings", sign(self.identity, post).to_wire())
+            except LedgerRefused as exc:
+                if exc.reason == "round_finalized":
+                    raise
+                log.warning("round %d: openings share refused: %s", r, exc)
+                self.faults.append({"round": r, "kind": "openings_share",
+                                    "detail": str(exc)[:300]})
+        while view["openings"]["fixed"] is None:
+            await self._round_still_open(client, spec, r)
+            await asyncio.sleep(self.config.poll_seconds)
+            view = await client.get_json(path)
+        try:
+            seed = await asyncio.to_thread(
+                verify_openings, spec.validators, spec.quorum, group_key, spec.run_id, r,
+                view["openings"]["fixed"], digest)
+        except RejectedInput as exc:
+            raise RejectedInput(f"the ledger's openings seed does not verify over the masked "
+                                f"inputs checked here: {exc}", "invalid_openings") from exc
+        return seed, survivor_buckets(inputs)
+
+    async def _round_still_open(self, client: LedgerClient, spec: RunSpec, r: int) -> None:
+        """Raise ``round_finalized`` when round ``r`` was finalized or voided meanwhile."""
+        status = (await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}"))["status"]
+        if status in ("finalized", "voided"):
+            raise LedgerRefused(409, "round_finalized", f"round {r} is {status}")
 
     # ------------------------------------------------------------- sharded rounds
 

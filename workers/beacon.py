@@ -24,6 +24,12 @@ from veritrain.protocol.beacon import (
 )
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.messages import RunSpec
+from veritrain.protocol.openings import (
+    inputs_digest,
+    survivor_buckets,
+    verified_inputs,
+    verify_openings,
+)
 
 
 def round_inputs(sealed_reply: dict[str, Any], me: str) -> tuple[str, str]:
@@ -59,3 +65,23 @@ async def verified_seed(client: LedgerClient, spec: RunSpec, r: int, served: dic
                                            sealed=sealed, participants=participants)
 
     return await asyncio.to_thread(check)
+
+
+async def verified_openings(client: LedgerClient, spec: RunSpec, r: int, view: dict[str, Any]
+                            ) -> tuple[bytes, list[list[str]]]:
+    """A masked round's openings seed and the survivor sets it is drawn over, from the board
+    ``view`` (``GET .../secagg``, its openings fixed): checked over the committed inputs
+    this party verified itself (protocol/openings.py ``verified_inputs``), against the group
+    key a quorum of validators signed, or the validators' BLS keys. RejectedInput
+    ``invalid_openings`` otherwise."""
+    inputs = verified_inputs(spec.run_id, r, view)
+    results = ((await client.get_json(f"/v1/runs/{spec.run_id}/dkg"))["posts"]["dkg_result"]
+               if spec.threshold_beacon else None)
+
+    def check() -> bytes:
+        group = (None if results is None else
+                 dkg.group_result_of(spec.validators, spec.quorum, spec.run_id, results).group_key)
+        return verify_openings(spec.validators, spec.quorum, group, spec.run_id, r,
+                               view["openings"]["fixed"], inputs_digest(inputs))
+
+    return await asyncio.to_thread(check), survivor_buckets(inputs)

@@ -53,7 +53,7 @@ from veritrain.aggregation.secure import (
 )
 from veritrain.ledger.client import LedgerClient, LedgerRefused
 from veritrain.protocol.board import BoardFault, SignedOnce, open_member_post
-from veritrain.protocol.challenges import MIN_UNOPENED, ChallengePolicy, compute_challenges
+from veritrain.protocol.challenges import ChallengePolicy, compute_challenges
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import (
@@ -79,7 +79,7 @@ from veritrain.protocol.secagg_wire import (
     view_message,
 )
 
-from .beacon import round_inputs, verified_seed
+from .beacon import round_inputs, verified_openings, verified_seed
 
 log = logging.getLogger("veritrain.worker")
 
@@ -103,19 +103,22 @@ class MaskedRound:
         self.path = f"/v1/runs/{spec.run_id}/rounds/{r}/secagg"
         self.opening: MaskOpening | None = None
         self.bucket: int | None = None
-        #: the workers the verified beacon opens this round (set by the deal's check)
-        self.opened: set[str] = set()
+        #: the sealed submitters (set by the deal's check): what the openings are drawn over
+        self.workers: list[str] = []
+        self.masked_posted = False
         #: the views this node signed (board.py rule 3); the node may pass its own, kept
         #: on disk; a fresh one is enough while secrets die with the process anyway.
         self.once = signed_once if signed_once is not None else SignedOnce()
         self.faults: list[str] = []  # what the board served that did not check out
 
-    async def _view(self, until: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-        """Poll the board (of this worker's bucket once known) until ``until`` holds."""
+    async def _view(self, until: Callable[[dict[str, Any]], bool], *, whole: bool = False
+                    ) -> dict[str, Any]:
+        """Poll the board (of this worker's bucket once known, unless ``whole``) until
+        ``until`` holds."""
         masked = self.spec.masked
         assert masked is not None
         give_up = time.monotonic() + 6 * masked["phase_seconds"] + 600
-        query = "" if self.bucket is None else f"?bucket={self.bucket}"
+        query = "" if self.bucket is None or whole else f"?bucket={self.bucket}"
         while True:
             try:
                 view = await self.client.get_json(self.path + query)
@@ -151,7 +154,10 @@ class MaskedRound:
         backed by signed posts, fewer than k of anything, a second view) ends the walk
         with nothing more sent: it is logged, never raised."""
         try:
-            return await self._walk(update)
+            outcome = await self._walk(update)
+            if self.masked_posted:  # the openings are drawn once the masked inputs are in
+                await self.open_if_challenged()
+            return outcome
         except BoardFault as exc:
             self.faults.append(str(exc))
             log.error("round %d: the board does not check out, nothing more sent: %s",
@@ -235,7 +241,7 @@ class MaskedRound:
             if exc.reason != "duplicate":
                 log.warning("round %d: masked input refused (%s): %s", r, exc.reason, exc.detail)
                 return "masked input refused"
-        await self.open_if_challenged()
+        self.masked_posted = True
         view = await self._view(self._closed("masked"))
         st = self._bucket_state(view)
         inputs = self._posts(view, "masked", SecaggMasked, "worker", set(dealers))
@@ -246,9 +252,6 @@ class MaskedRound:
             if inputs[w].dealers_digest != dealt:
                 raise BoardFault(f"survivor {w[:12]} masked over other members or dealers "
                                  "than this worker was shown")
-        if 0 < len(set(survivors) - self.opened) < MIN_UNOPENED:
-            # The survivors' sum minus the opened updates would be one worker's update.
-            return "too few unopened survivors: nothing revealed"
         mine_view = view_message(spec, r, self.bucket, me, members, dealers, survivors)
         self.once.claim("secagg_view", spec.run_id, r, view_digest(
             spec.run_id, r, self.bucket, members, dealers, survivors))
@@ -366,15 +369,21 @@ class MaskedRound:
         assert masked is not None
         check_dealt(seed, workers, masked["bucket_size"],
                     [b["assigned"] for b in view["buckets"]])
-        self.opened = {w for w, segs in compute_challenges(
-            seed, workers, ChallengePolicy.of_run(spec)).items() if segs}
+        self.workers = workers
 
     async def open_if_challenged(self) -> None:
-        """Post the opening if the round's challenges spot-check this worker."""
+        """Post the opening if the round's openings seed, checked here over the masked
+        inputs this worker verified itself, opens it (protocol/openings.py): drawn only
+        after every masked input was committed, so no worker knew while it masked. The
+        draw leaves no bucket with exactly one unopened survivor."""
         if self.opening is None or self.bucket is None:
             return
-        view = await self.client.get_json(f"/v1/runs/{self.spec.run_id}/rounds/{self.r}/challenges")
-        if not any(c["worker"] == self.me for c in view["challenges"]):
+        await self._view(lambda v: v["openings"]["fixed"] is not None)
+        view = await self._view(lambda v: True, whole=True)  # every bucket's inputs, once
+        seed, buckets = await verified_openings(self.client, self.spec, self.r, view)
+        opened = compute_challenges(seed, self.workers, ChallengePolicy.of_run(self.spec),
+                                    buckets=buckets)
+        if not opened.get(self.me):
             return
         op = SecaggOpening(run_id=self.spec.run_id, round=self.r, bucket=self.bucket,
                            worker=self.me, self_seed=self.opening.self_seed.hex(),

@@ -54,7 +54,7 @@ from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import hash_flat
 from veritrain.protocol.training import CommitPool
 
-from .beacon import round_inputs, verified_seed
+from .beacon import round_inputs, verified_openings, verified_seed
 from .evidence import EvidenceMissing, RoundEvidence, default_keep_every, file_sha256
 from .masked import SECAGG_ATTACKS, take_part
 from .round import ATTACKS, prepare_submission
@@ -363,14 +363,24 @@ async def answer_checks(client: LedgerClient, run: RunContext, identity: Identit
                       "the ledger dropped it (receipt kept under %s)", r, state.dir)
             continue
         policy = ChallengePolicy.of_run(spec)
-        segments = compute_challenges(seed, workers, policy).get(me, [])
+        checks_seed, buckets = seed, None
+        if spec.masked is not None:  # a masked round's checks wait for its openings seed
+            board = await client.get_json(f"{base}/secagg")
+            if board["openings"]["fixed"] is None:
+                continue
+            try:
+                checks_seed, buckets = await verified_openings(client, spec, r, board)
+            except RejectedInput as exc:
+                log.error("round %d: not revealing: %s (%s)", r, exc, exc.reason)
+                continue
+        segments = compute_challenges(checks_seed, workers, policy, buckets=buckets).get(me, [])
         if me not in policy.checked_workers({me: segments}):
             continue
         path = store.path / "reveal.bin"
         started = time.monotonic()
         try:
             await asyncio.to_thread(RoundEvidence(store, run, r, me).write_reveal_file, path,
-                                    seed, segments, signed.message, device=device)
+                                    checks_seed, segments, signed.message, device=device)
         except (EvidenceMissing, KeyError, FileNotFoundError) as exc:
             log.error("round %d: cannot build the reveal for segments %s: %s", r, segments, exc)
             state.record_reveal(r, {"failed": str(exc)[:500]})
