@@ -516,13 +516,16 @@ def process_secagg_masked(state: AuditState, index: int, post: Any, signer: str,
                           digest: str) -> None:
     """A ``secagg_masked_input`` row (:func:`process_secagg_post`), its digest kept for the
     round's ``openings_fixed``."""
+    if get_round(state, post.round).openings_seed is not None:
+        raise Bad("a masked input after the round's openings were drawn")
     process_secagg_post(state, index, post, signer)
     get_round(state, post.round).secagg_masked[post.worker] = (post.bucket, digest)
 
 
 def process_openings_fixed(state: AuditState, index: int, body: dict[str, Any]) -> None:
-    """9.3 ``openings_fixed``: "after the buckets of a masked run, once per round; each
-    input a chained `secagg_masked_input` row (bucket, sender, digest), `masked` their
+    """9.3 ``openings_fixed``: "after the buckets of a masked run, once per round; the
+    inputs exactly the round's chained `secagg_masked_input` rows (bucket, sender,
+    digest), none after it; `masked` their
     `inputs_digest`, and `signature` the run's group signature (threshold beacon) or
     `shares` a quorum's BLS signatures over `openings_root(run, r, masked)`; `seed`
     follows from it" (protocol/openings.py)."""
@@ -532,9 +535,11 @@ def process_openings_fixed(state: AuditState, index: int, body: dict[str, Any]) 
         raise Bad("an openings seed outside a dealt masked round, or twice")
     inputs = body.get("inputs")
     if not isinstance(inputs, list) or any(
-            not isinstance(x, list) or len(x) != 3
-            or rnd.secagg_masked.get(x[1]) != (x[0], x[2]) for x in inputs):
-        raise Bad("openings over inputs that are not the round's chained masked inputs")
+            not isinstance(x, list) or len(x) != 3 or not isinstance(x[1], str)
+            for x in inputs) or len({x[1] for x in inputs}) != len(inputs) or {
+            x[1]: (x[0], x[2]) for x in inputs} != rnd.secagg_masked:
+        raise Bad("openings over inputs that are not exactly the round's chained masked "
+                  "inputs")
     if inputs != committed_inputs(inputs) or body.get("masked") != inputs_digest(inputs):
         raise Bad("openings over a digest that is not its inputs'")
     group = state.dkg_group_key if spec.threshold_beacon else None

@@ -701,11 +701,17 @@ def test_a_masked_rounds_checks_come_from_its_openings_seed_over_chained_inputs(
                                                "challenges": {}})
     raises("an openings seed outside a dealt masked round, or twice",
            rules.process_openings_fixed, state, 64, body)
+    raises("a masked input after the round's openings were drawn", rules.process_secagg_masked,
+           state, 65, masked(WORKERS[2], 0), WORKERS[2], "44" * 32)
 
 
 @pytest.mark.parametrize(("case", "problem"), [
-    ("unchained", "openings over inputs that are not the round's chained masked inputs"),
-    ("other bucket", "openings over inputs that are not the round's chained masked inputs"),
+    ("unchained", "openings over inputs that are not exactly the round's chained masked "
+     "inputs"),
+    ("left out", "openings over inputs that are not exactly the round's chained masked "
+     "inputs"),
+    ("other bucket", "openings over inputs that are not exactly the round's chained masked "
+     "inputs"),
     ("digest", "openings over a digest that is not its inputs'"),
     ("signed over other", "openings seed: validator 0's openings share is not its signature "
      "over these committed masked inputs"),
@@ -716,6 +722,8 @@ def test_invalid_openings_fixed(case, problem):
     body = openings_body(inputs)
     if case == "unchained":
         body = openings_body(inputs + [[0, WORKERS[2], "00" * 32]])
+    elif case == "left out":  # a chained input the draw leaves out could never be opened
+        body = openings_body(inputs[:1])
     elif case == "other bucket":
         body = openings_body([[1, w, d] for _, w, d in inputs])
     elif case == "digest":

@@ -10,6 +10,7 @@ workers and validators drawing it over HTTP in tests/test_masked_rounds.py.
 from __future__ import annotations
 
 import hashlib
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -17,6 +18,8 @@ from hypothesis import strategies as st
 from veritrain.protocol import bls, dkg
 from veritrain.protocol.challenges import MIN_UNOPENED, ChallengePolicy, compute_challenges
 from veritrain.protocol.errors import RejectedInput
+from veritrain.protocol.identity import Identity
+from veritrain.protocol.messages import SecaggView, sign
 from veritrain.protocol.openings import (
     committed_inputs,
     inputs_digest,
@@ -26,6 +29,7 @@ from veritrain.protocol.openings import (
     survivor_buckets,
     verify_openings,
 )
+from veritrain.workers.masked import drawn_over_other_survivors
 
 RUN = "openings-run"
 SECRETS = [bls.keygen(bytes([i + 1]) * 32) for i in range(3)]
@@ -128,3 +132,41 @@ def test_openings_over_survivor_sets_never_leave_one_survivor_unopened(n, size, 
     for b in buckets:
         unopened = len(set(b) - opened)
         assert unopened == 0 or unopened >= MIN_UNOPENED or len(b) == 1
+
+
+def _bucket_view(signed_by: list[Identity], survivors: list[str], assigned: list[str]) -> dict:
+    views = [sign(w, SecaggView(run_id=RUN, round=4, bucket=0, worker=w.public_key.hex(),
+                                members=assigned, dealers=assigned, survivors=survivors)
+                  ).to_wire() for w in signed_by]
+    return {"buckets": [{"index": 0, "assigned": assigned, "members": assigned,
+                         "dealers": assigned, "survivors": survivors, "live": False}],
+            "posts": {"view": views}}
+
+
+def test_a_worker_opens_only_over_the_survivors_its_bucket_signed():
+    """Scenario of a review: the draw saw {A, B} while the bucket's survivors signed
+    {A, B, C}; A and B opening would leave C's update the bucket sum minus theirs."""
+    ids = sorted((Identity.generate("worker") for _ in range(3)),
+                 key=lambda w: w.public_key.hex())
+    a, b, c = (w.public_key.hex() for w in ids)
+    spec = SimpleNamespace(run_id=RUN, masked={"max_dropouts": 0})  # k = 3 of 3
+    signed = _bucket_view(ids, [a, b, c], [a, b, c])
+    assert drawn_over_other_survivors(spec, 4, signed, 0, [[a, b, c]]) is None
+    assert "not the ones of the view its survivors signed" in drawn_over_other_survivors(
+        spec, 4, signed, 0, [[a, b]])
+    assert "not the ones" in drawn_over_other_survivors(spec, 4, signed, 0, [])
+    # Fewer than k signatures on any view: no sum can be unmasked, nothing to expose.
+    assert drawn_over_other_survivors(spec, 4, _bucket_view(ids[:2], [a, b, c], [a, b, c]),
+                                      0, [[a, b]]) is None
+
+
+def test_validators_refuse_a_draw_over_other_survivors_than_the_board_sums():
+    from veritrain.validators.masked import filter_masked_round
+
+    a, b, c = (f"{i:064x}" for i in (1, 2, 3))
+    spec = SimpleNamespace(run_id=RUN, masked={"max_dropouts": 0, "bucket_size": 3})
+    view = {"round": 4, **_bucket_view([], [a, b, c], [a, b, c])}
+    with pytest.raises(RejectedInput) as err:
+        filter_masked_round(SimpleNamespace(spec=spec), 4, "00" * 32, None, [], set(), set(),
+                            b"\0" * 32, [[a, b]], view, {})
+    assert err.value.reason == "invalid_board"

@@ -242,6 +242,11 @@ def filter_masked_round(
     spec = run.spec
     reveals = reveals or {}
     boards, openings = parse_board(spec, view)
+    if [sorted(b.survivors) for b in boards if b.survivors] != survivor_sets:
+        # Drawn over other survivors than the ones summed: an input the draw could not
+        # open, or openings that would leave one survivor's update exposed.
+        raise RejectedInput("the openings seed was drawn over other survivor sets than the "
+                            "board's", "invalid_board")
     verdicts: dict[str, dict[str, Any]] = {}
     by_worker, repeated = group_by_worker(candidates)
 

@@ -666,6 +666,8 @@ class ValidatorNode:
         while not view["complete"]:
             await asyncio.sleep(self.config.poll_seconds)
             view = await client.get_json(path)
+        check_dealt(seed, [c.signed.message.worker for c in candidates], masked["bucket_size"],
+                    [b["assigned"] for b in view["buckets"]])  # the view it unmasks, too
         reveals = await self.gather_reveals(
             client, run, r, {c.worker: c.signed.digest for c in candidates},
             None if scratch is None else BlobFiles(scratch / "reveals"))

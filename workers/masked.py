@@ -378,18 +378,64 @@ class MaskedRound:
         draw leaves no bucket with exactly one unopened survivor."""
         if self.opening is None or self.bucket is None:
             return
-        await self._view(lambda v: v["openings"]["fixed"] is not None)
+        round_path = f"/v1/runs/{self.spec.run_id}/rounds/{self.r}"
+
+        def drawn_or_over(view: dict[str, Any]) -> bool:
+            return view["openings"]["fixed"] is not None
+
+        while not drawn_or_over(await self._view(lambda v: True)):
+            if (await self.client.get_json(round_path))["status"] in ("finalized", "voided"):
+                return  # settled without this worker's opening
+            await asyncio.sleep(self.poll)
         view = await self._view(lambda v: True, whole=True)  # every bucket's inputs, once
         seed, buckets = await verified_openings(self.client, self.spec, self.r, view)
         opened = compute_challenges(seed, self.workers, ChallengePolicy.of_run(self.spec),
                                     buckets=buckets)
         if not opened.get(self.me):
             return
+        problem = drawn_over_other_survivors(self.spec, self.r, view, self.bucket, buckets)
+        if problem is not None:
+            raise BoardFault(problem)
         op = SecaggOpening(run_id=self.spec.run_id, round=self.r, bucket=self.bucket,
                            worker=self.me, self_seed=self.opening.self_seed.hex(),
                            mask_private=self.opening.mask_private.hex())
         if await self._post("opening", op):
             log.info("round %d: spot-checked: opened the masked input", self.r)
+
+
+def drawn_over_other_survivors(spec: RunSpec, r: int, view: dict[str, Any], bucket: int,
+                               drawn: list[list[str]]) -> str | None:
+    """Why opening or revealing in ``bucket`` could expose a member, or None: the openings
+    were drawn over another survivor set than the view at least k of the bucket's survivors
+    signed (``SecaggView`` posts bound to their members). Only such a view's sum can be
+    unmasked (a reveal needs k signatures on it), so with none there is nothing to expose;
+    with one, the draw must have seen exactly its survivors, or an opening could leave one
+    of them the only unopened update in the sum."""
+    masked = spec.masked
+    assert masked is not None
+    states = [b for b in view["buckets"] if b.get("index") == bucket]
+    if len(states) != 1:
+        return f"the board does not show bucket {bucket} once"
+    assigned = list(states[0]["assigned"])
+    k = bucket_threshold(masked["max_dropouts"], len(assigned))
+    signers: dict[tuple[str, ...], set[str]] = {}
+    for wire in view["posts"].get("view", []):
+        try:
+            msg = open_member_post(wire, SecaggView, member_field="worker",
+                                   members=set(assigned), run_id=spec.run_id, round_index=r,
+                                   bucket=bucket).message
+        except BoardFault:
+            continue
+        if msg.worker in msg.survivors:
+            signers.setdefault(tuple(msg.survivors), set()).add(msg.worker)
+    agreed = [list(s) for s, who in signers.items() if len(who) >= k]
+    if not agreed:
+        return None
+    mine = next((b for b in drawn if set(b) & set(assigned)), [])
+    if len(agreed) > 1 or sorted(agreed[0]) != sorted(mine):
+        return (f"the openings were drawn over {len(mine)} survivors of bucket {bucket}, not "
+                "the ones of the view its survivors signed: nothing opened or revealed")
+    return None
 
 
 def _forged(message: Any) -> Any:

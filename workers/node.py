@@ -56,7 +56,7 @@ from veritrain.protocol.training import CommitPool
 
 from .beacon import round_inputs, verified_openings, verified_seed
 from .evidence import EvidenceMissing, RoundEvidence, default_keep_every, file_sha256
-from .masked import SECAGG_ATTACKS, take_part
+from .masked import SECAGG_ATTACKS, drawn_over_other_survivors, take_part
 from .round import ATTACKS, prepare_submission
 from .state import WorkerState
 
@@ -372,6 +372,12 @@ async def answer_checks(client: LedgerClient, run: RunContext, identity: Identit
                 checks_seed, buckets = await verified_openings(client, spec, r, board)
             except RejectedInput as exc:
                 log.error("round %d: not revealing: %s (%s)", r, exc, exc.reason)
+                continue
+            mine = [b["index"] for b in board["buckets"] if me in b["assigned"]]
+            problem = (drawn_over_other_survivors(spec, r, board, mine[0], buckets)
+                       if len(mine) == 1 else None)
+            if problem is not None:  # revealing would publish the update it masked
+                log.error("round %d: not revealing: %s", r, problem)
                 continue
         segments = compute_challenges(checks_seed, workers, policy, buckets=buckets).get(me, [])
         if me not in policy.checked_workers({me: segments}):
