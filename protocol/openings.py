@@ -29,6 +29,7 @@ survivor. Torch-free: the ledger and the audit run it.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -120,7 +121,26 @@ def verify_openings(validators: Sequence[dict[str, Any]], quorum: int, group_key
     threshold-beacon run) or ``{"signers": [...], "shares": [...]}`` (individual keys),
     checked over ``digest``, the inputs digest this party computed from the posts it
     verified itself; a party never takes the ledger's word for it. RejectedInput
-    ``invalid_openings`` otherwise."""
+    ``invalid_openings`` otherwise. A seed that verified is remembered per process
+    (parties sharing one process, as in tests and simulations, pay the pairings once)."""
+    key = (tuple(v["bls"] for v in validators), quorum, group_key, run_id, round_index,
+           encode_canonical(fixed) if isinstance(fixed, dict) else b"", digest)
+    with _VERIFY_LOCK:  # concurrent callers of one process wait for the first one's answer
+        if (seed := _VERIFIED.get(key)) is None:
+            seed = _verify(validators, quorum, group_key, run_id, round_index, fixed, digest)
+            if len(_VERIFIED) >= 1024:
+                _VERIFIED.clear()
+            _VERIFIED[key] = seed
+        return seed
+
+
+#: Openings seeds already verified in this process: the inputs that passed -> their seed.
+_VERIFIED: dict[tuple[Any, ...], bytes] = {}
+_VERIFY_LOCK = threading.Lock()
+
+
+def _verify(validators: Sequence[dict[str, Any]], quorum: int, group_key: str | None,
+            run_id: str, round_index: int, fixed: Any, digest: str) -> bytes:
     root = openings_root(run_id, round_index, digest)
     if not isinstance(fixed, dict):
         raise RejectedInput("the openings seed is not fixed", "invalid_openings")

@@ -168,12 +168,12 @@ def test_a_bucket_survives_a_dropout_a_forger_and_an_opened_free_rider(tmp_path)
     outcomes, ends, board, summary, payload_blob, audit = result
     keys = [w.public_key.hex() for w in workers]
     assert summary["status"] == "finalized"
-    assert ends == ["dropped out"] + ["revealed"] * 6
+    assert ends == ["dropped out"] + ["revealed"] * 6, ends
     (bucket,) = board["buckets"]
     assert bucket["live"] and bucket["survivors"] == sorted(keys[1:])
     assert len(board["posts"]["opening"]) == 6  # every survivor was spot-checked
     verdicts = {v["worker"]: v for v in outcomes[0].verdicts}
-    assert verdicts[keys[0]]["reason"] == "dropped_out"
+    assert verdicts[keys[0]]["reason"] == "dropped_out", verdicts
     assert verdicts[keys[1]]["reason"] == "forged_share"
     assert verdicts[keys[2]]["reason"] == "spot_check_failed"
     assert [verdicts[k]["status"] for k in keys[3:]] == ["accepted"] * 4

@@ -106,6 +106,7 @@ class MaskedRound:
         #: the sealed submitters (set by the deal's check): what the openings are drawn over
         self.workers: list[str] = []
         self.masked_posted = False
+        self._opening: asyncio.Task[None] | None = None  # the opening, once the view is fixed
         #: the views this node signed (board.py rule 3); the node may pass its own, kept
         #: on disk; a fresh one is enough while secrets die with the process anyway.
         self.once = signed_once if signed_once is not None else SignedOnce()
@@ -155,7 +156,11 @@ class MaskedRound:
         with nothing more sent: it is logged, never raised."""
         try:
             outcome = await self._walk(update)
-            if self.masked_posted:  # the openings are drawn once the masked inputs are in
+            # The openings are drawn once the masked inputs are in: opened beside the
+            # reveal once the view is fixed, or here when the walk stopped before it.
+            if self._opening is not None:
+                await self._opening
+            elif self.masked_posted:
                 await self.open_if_challenged()
             return outcome
         except BoardFault as exc:
@@ -163,6 +168,9 @@ class MaskedRound:
             log.error("round %d: the board does not check out, nothing more sent: %s",
                       self.r, exc)
             return f"board fault: {exc}"
+        finally:
+            if self._opening is not None and not self._opening.done():
+                self._opening.cancel()
 
     async def _walk(self, update: torch.Tensor) -> str:
         spec, r, me = self.spec, self.r, self.me
@@ -258,6 +266,7 @@ class MaskedRound:
         if not await self._post("view", mine_view):
             return "view refused"
         view = await self._view(self._closed("view"))
+        self._opening = asyncio.create_task(self.open_if_challenged())
         signatures = self._view_signatures(view, mine_view, set(survivors), k)
         reveal = reveal_shares(ctx, bytes.fromhex(me), held,
                                [bytes.fromhex(w) for w in survivors])
