@@ -156,7 +156,7 @@ def mimic(honest: Tensor, f: int, *, target: int = 0, jitter: float = 0.0,
     Over-represents one worker's data, hurting heterogeneous training.  ``jitter`` > 0
     adds to each copy its own Gaussian noise of norm ``jitter`` times the honest rows'
     median pairwise distance, so the copies are no longer copies (``copies.py`` counts
-    rows within 1% of that distance once; 3% evades it).
+    rows within a quarter of that distance once; a little more evades it).
     """
     x, f = _honest(honest, f)
     target = check_count(target, "target", minimum=0)

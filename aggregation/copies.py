@@ -9,7 +9,8 @@ counts each group of copies as one row, from the Gram it already has (no pass); 
 coordinate-median start (``start="median"``) is computed before the Gram and counts
 them in full, and so do the in-memory starts (``"mean"``, ``"zero"``, a vector):
 
-    copies:  ||x_i - x_j||^2 <= COPY_RADIUS^2 * lower_median_k lower_median_{l != k} ||x_k - x_l||^2
+    copies:  ||x_i - x_j||^2 <= COPY_RADIUS^2 * lower_median_k lower_median_{l != k} ||x_k - x_l||^2,
+             COPY_RADIUS = 1/4
     groups:  connected components of "copies"
     w'_g = max_{i in g} w_i  on the group's first row, 0 on the others; normalized
 
@@ -18,10 +19,14 @@ distance the Gram cannot resolve is never taken for a copy; so copies that are m
 the rows, whose typical distance is 0, stay rows: beyond the breakdown point anyway)
 
 over the rows of positive weight.  Honest rows sit at about the median distance from
-each other (distances between high-dimensional noisy vectors concentrate), a hundred
-times farther than a copy may be; the Gram's rounding error is far below it.  Rows
-spread wider than that count one by one and are left to the rule's own robustness
-(the clip radius): this removes the weight copies add, not every coordinated group.
+each other (distances between high-dimensional noisy vectors concentrate), four times
+farther than a copy may be; the Gram's rounding error is far below it.  A quarter, not
+less: copies made "distinct" by noise of their own (the jittered mimic) must carry
+noise of more than a quarter of the honest spread to escape, and noise that large
+dilutes the weight they add (issue #24: at f = 7 of 16 the worst escaping noise costs
++4.3% against +7.0% with a radius of 1%).  Rows spread wider than that count one by one
+and are left to the rule's own robustness (the clip radius): this removes the weight
+copies add, not every coordinated group.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from .gram import Gram, lower_median, pairwise_sq_dists
 __all__ = ["COPY_RADIUS", "copy_groups", "share_copies", "spread_sq"]
 
 #: Rows closer than this fraction of the median distance between rows are copies.
-COPY_RADIUS = 0.01
+COPY_RADIUS = 0.25
 
 
 def spread_sq(sq: Tensor) -> float:

@@ -11,7 +11,8 @@ the swarm:
   ``free_rider`` (noise of a plausible norm, no training);
 * omniscient (see the round's honest updates, do not train): ``alie``, ``ipm``,
   ``gaussian``, ``zeros`` (a free rider sending nothing), ``mimic``, ``mimic_jitter``
-  (mimic plus noise of 3% of the honest spread per copy: no longer copies),
+  (mimic plus noise of ``MIMIC_JITTER`` = 0.3 of the honest spread per copy: the least
+  that escapes the copy rule),
   ``optimal_alie``, ``optimal_ipm`` and ``optimal_sign`` (line-searched against the
   run's aggregator, and, where the probe filter is on, against that filter evaluated on
   a probe batch of the attacker's own: the largest scale that still passes; together the
@@ -79,19 +80,22 @@ and the last line::
 (worst_f*: the run default, ``cc_probe``, worst over attacks and seeds; CenteredClip
 alone where ``cc_probe`` was not run.)
 
-Measured (issue 24; ``--f 3,7 --aggregators cc_probe``, 3 seeds, 114 runs, about 9 min
-on the shared 2-core machine)::
+Measured (issue 24; ``--f 3,7 --aggregators cc_probe --jobs 1``, 3 seeds, 114 runs, 16.4
+min on the shared 2-core machine with other jobs beside it)::
 
-    robustness: seeds=3 worst_f7=+7.0% worst_f3=+1.0% honest_lost_pay=0/12840 honest_excluded=6/12840 max_attacker_share_gain=+0.000
+    robustness: seeds=3 worst_f7=+4.2% worst_f3=+1.0% honest_lost_pay=0/12840 honest_excluded=7/12840 max_attacker_share_gain=+0.000
 
-The worst cell at f = 7 is ``mimic_jitter`` (+7.0%; median over seeds +3.2%): seven
-copies of one honest update, each with its own noise of 3% of the honest spread, which
-no aggregator can tell from honest work at f close to n / 2 (the heterogeneity lower
-bound; verification catches the copiers). Every other attack stays within +3.3% at
-f = 7 (sign flip); exact ``mimic`` went from +5.9% to +0.8% once CenteredClip counts
-copies once (aggregation/copies.py), and the probe filter, which now acts only on a
-group (more than an eighth of the rows below its floor), excluded 6 honest rows of
-12,840 (was 43 of 11,520) and never raised the attackers' share of the aggregated rows.
+Every target of issue 24 holds. The worst cell at f = 7 is ``mimic_jitter`` (+4.2%;
+median over seeds +3.3%): seven copies of one honest update, each with its own noise of
+``swarm.MIMIC_JITTER`` = 1.2 x ``COPY_RADIUS`` = 0.3 of the honest spread, the least
+that escapes the copy rule (a scan found the damage largest just past the radius:
+specs/aggregation.md, section 7), which no aggregator can tell from honest work at f
+close to n / 2 (the heterogeneity lower bound; verification catches the copiers). With
+the earlier copy radius of 1%, noise of 3% escaped and reached +7.0%. Every other attack
+stays within +3.3% at f = 7 (sign flip); exact ``mimic`` went from +5.9% to +0.8% once
+CenteredClip counts copies once (aggregation/copies.py), and the probe filter, which acts
+only on a group (more than an eighth of the rows below its floor), excluded 7 honest rows
+of 12,840 (was 43 of 11,520) and never raised the attackers' share of the aggregated rows.
 The ``cc_probe`` cells do not depend on the other rows, so this last line is the full
 grid's; the full grid (870 runs) is about 7.8 times this compute: about 60 min on 2
 idle cores, 2 to 3 h on shared ones (specs/aggregation.md, section 7).
