@@ -70,6 +70,32 @@ def _sharded_run():
                                      "shards": 3})
 
 
+async def _open_round_with_one_submission(api: Api, run, worker: Identity):
+    """Create the run, register ``worker``, submit once and wait for the round to close;
+    the submission."""
+    await api.create_run(run)
+    await api.register(run, worker)
+    submission = make_submission(run, worker, b"p" * 8)
+    await api.submit(submission, b"p" * 8)
+    while (await api.get(f"/v1/runs/{RUN}/rounds/0"))[1]["status"] == "open":
+        await asyncio.sleep(0.05)
+    return submission
+
+
+async def _fix_beacon(api: Api, validators) -> dict:
+    """Each of ``validators`` posts its beacon share over the served sealed list; the
+    beacon the last one's reply names."""
+    sealed = sealed_list_digest_of(
+        (await api.get(f"/v1/runs/{RUN}/rounds/0/submissions"))[1]["submissions"])
+    for v in validators:
+        share = BeaconShare(run_id=RUN, round=0, validator=v.public_key.hex(),
+                            share=v.sign_bls(beacon_root(RUN, 0)).hex(), sealed=sealed,
+                            participants=EVERY_WORKER_ADMITTED)
+        beacon = (await api.post_json(f"/v1/runs/{RUN}/rounds/0/beacon",
+                                      sign(v, share).to_wire()))[1]["beacon"]
+    return beacon
+
+
 def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypatch):
     run = _sharded_run()
     v0, v1, v2 = run.validators
@@ -81,21 +107,9 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypat
                                            ("result", blob)])
 
     async def scenario(api: Api):
-        await api.create_run(run)
-        await api.register(run, worker)
-        submission = make_submission(run, worker, b"p" * 8)
-        await api.submit(submission, b"p" * 8)
-        while (await api.get(f"/v1/runs/{RUN}/rounds/0"))[1]["status"] == "open":
-            await asyncio.sleep(0.05)
+        submission = await _open_round_with_one_submission(api, run, worker)
         out = {"early": await post_result(api, v0, _publication(v0, 0, b"a"), b"a")}
-        sealed = sealed_list_digest_of(
-            (await api.get(f"/v1/runs/{RUN}/rounds/0/submissions"))[1]["submissions"])
-        for v in (v0, v1):
-            share = BeaconShare(run_id=RUN, round=0, validator=v.public_key.hex(),
-                                share=v.sign_bls(beacon_root(RUN, 0)).hex(), sealed=sealed,
-                                participants=EVERY_WORKER_ADMITTED)
-            beacon = (await api.post_json(f"/v1/runs/{RUN}/rounds/0/beacon",
-                                          sign(v, share).to_wire()))[1]["beacon"]
+        beacon = await _fix_beacon(api, (v0, v1))
         pub0 = _publication(v0, 0, b"a")
         out["first"] = await post_result(api, v0, pub0, b"a")
         out["again"] = await post_result(api, v0, pub0, b"a")
@@ -213,20 +227,8 @@ def test_a_certificate_that_recomputes_a_listed_shard_waits_for_its_proven_fault
     base = f"/v1/runs/{RUN}/rounds/0/shards"
 
     async def scenario(api: Api):
-        await api.create_run(run)
-        await api.register(run, worker)
-        submission = make_submission(run, worker, b"p" * 8)
-        await api.submit(submission, b"p" * 8)
-        while (await api.get(f"/v1/runs/{RUN}/rounds/0"))[1]["status"] == "open":
-            await asyncio.sleep(0.05)
-        sealed = sealed_list_digest_of(
-            (await api.get(f"/v1/runs/{RUN}/rounds/0/submissions"))[1]["submissions"])
-        for v in (v0, v1):
-            share = BeaconShare(run_id=RUN, round=0, validator=v.public_key.hex(),
-                                share=v.sign_bls(beacon_root(RUN, 0)).hex(), sealed=sealed,
-                                participants=EVERY_WORKER_ADMITTED)
-            beacon = (await api.post_json(f"/v1/runs/{RUN}/rounds/0/beacon",
-                                          sign(v, share).to_wire()))[1]["beacon"]
+        submission = await _open_round_with_one_submission(api, run, worker)
+        beacon = await _fix_beacon(api, (v0, v1))
         pub0 = _publication(v0, 0, b"a")
         await api.post_parts(base, [("publication", sign(v0, pub0).encode()), ("result", b"a")])
         d0 = pub0.result_digest
