@@ -87,11 +87,12 @@ def accept_share(s: Session, spec: RunSpec, rnd: t.Round, idx: int,
     if not bls.verify(bytes.fromhex(public_key), openings_root(spec.run_id, rnd.round, digest),
                       bytes.fromhex(msg.share)):
         raise RejectedInput(f"validator {idx}'s openings share does not verify", "bad_signature")
-    s.add(t.SecaggMessage(run_id=spec.run_id, round=rnd.round, kind=SHARE, sender=sender,
+    row = t.SecaggMessage(run_id=spec.run_id, round=rnd.round, kind=SHARE, sender=sender,
                           bucket=-1, digest=signed.digest, body=signed.encode(),
-                          received_at=now))
+                          received_at=now)
+    s.add(row)
     s.flush()
-    board = Board(s, spec, rnd.round, now)
+    board.extra.append(row)  # the board as stored now, without reading it again
     fixed = None
     if not any(row.kind == FIXED for row in board.extra):
         index = {v["ed25519"]: k for k, v in enumerate(spec.validators)}
@@ -109,9 +110,10 @@ def accept_share(s: Session, spec: RunSpec, rnd: t.Round, idx: int,
                          "seed": seed_of_shares([bytes.fromhex(chosen[k])
                                                  for k in sorted(chosen)]).hex()}
             fixed = {"round": rnd.round, "masked": digest, "inputs": inputs, **fixed}
-            s.add(t.SecaggMessage(run_id=spec.run_id, round=rnd.round, kind=FIXED, sender="",
+            row = t.SecaggMessage(run_id=spec.run_id, round=rnd.round, kind=FIXED, sender="",
                                   bucket=-1, digest="", body=encode_canonical(fixed),
-                                  received_at=now))
+                                  received_at=now)
+            s.add(row)
             s.flush()
-            board = Board(s, spec, rnd.round, now)
+            board.extra.append(row)
     return state(board), True, fixed
