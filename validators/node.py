@@ -608,8 +608,7 @@ class ValidatorNode:
                                           outer_path)
         del base_flat, aggregate  # the new model and outer state replace them
         release_free_memory()
-        outcome = await asyncio.to_thread(conclude_round, run, filtered, stepped,
-                                          device=self.config.device)
+        outcome = await asyncio.to_thread(conclude_round, run, filtered, stepped)
         del filtered, stepped
         # The new model and outer state go to files, written without a copy, and are
         # streamed from there: never two more copies of the model in memory.

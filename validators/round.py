@@ -10,8 +10,9 @@ the aggregate), never ``rejected`` (protocol/rules.py ``FILTER_REASONS``).
 
 Everything here is a function of its inputs (the run, the base model and
 momentum, the sealed submissions and the beacon seed), so two honest
-validators reach the same verdicts and the same model bytes, and the node
-that feeds it over HTTP stays thin.
+validators reach the same verdicts and the same model bytes, on whatever device
+each recomputes its spot checks (``CERTIFIED_DEVICE``), and the node that feeds
+it over HTTP stays thin.
 
 Memory does not grow with the number of updates N: payloads and reveals may
 be read one at a time from files (``BlobFiles``), each decoded update is
@@ -59,6 +60,12 @@ from veritrain.protocol.scoring import compute_scores, split_rewards
 from .checks import Candidate, admit, group_by_worker, norm_outliers
 from .probe import loss_regressions, probe_gains, probe_rows
 from .spot_checks import RevealToCheck, check_reveals, failure_reason, failure_where
+
+#: Where the floats that decide or are certified (the probe's gains, the eval loss) are
+#: computed, whatever device the validator recomputes spot checks on: a CUDA forward pass
+#: gives other last bits than a CPU one, and validators on either must sign one state.
+#: Spot checks may run anywhere: they certify outcomes against a tolerance, not floats.
+CERTIFIED_DEVICE = "cpu"
 
 
 @dataclass
@@ -343,7 +350,10 @@ def filter_round(
     probe_examples, probe_factor = spec.probe
     if probe_examples > 0 and probe_factor > 0:
         rows = probe_rows(run, beacon_seed, round_index, probe_examples)
-        gains = probe_gains(run, base_flat, StoredRows(store, index), rows, device=device)
+        # On the CPU whatever ``device`` is: the gains decide exclusions, and a CUDA
+        # forward pass gives other last bits than a CPU one (CERTIFIED_DEVICE).
+        gains = probe_gains(run, base_flat, StoredRows(store, index), rows,
+                            device=CERTIFIED_DEVICE)
         for worker, detail in loss_regressions(gains, probe_factor).items():
             exclude(by_worker[worker], "loss_regression", detail)
 
@@ -440,15 +450,16 @@ def step_round(
                         quality)
 
 
-def conclude_round(run: RunContext, filtered: FilteredRound, stepped: OuterStepped, *,
-                   device: str = "cpu") -> RoundOutcome:
-    """The new model's eval loss, the verdicts and the scores."""
+def conclude_round(run: RunContext, filtered: FilteredRound, stepped: OuterStepped
+                   ) -> RoundOutcome:
+    """The new model's eval loss (on ``CERTIFIED_DEVICE``: it is certified), the verdicts
+    and the scores."""
     spec = run.spec
     verdicts = dict(filtered.verdicts)
     by_worker, checks = filtered.by_worker, filtered.checks
     accepted = filtered.accepted
     quality = stepped.quality
-    eval_loss = run.evaluate(stepped.new_flat, device=device)
+    eval_loss = run.evaluate(stepped.new_flat, device=CERTIFIED_DEVICE)
 
     for worker in accepted:
         c = by_worker[worker]
@@ -484,14 +495,12 @@ def finish_round(
     aggregate: torch.Tensor | RowsAggregate | None,
     base_flat: torch.Tensor,
     outer: OuterState,
-    *,
-    device: str = "cpu",
 ) -> RoundOutcome:
     """From the round's aggregate to the next model, eval loss, verdicts and scores:
     ``step_round`` then ``conclude_round`` (the node runs the two apart, dropping the
     base model and outer state in between)."""
     stepped = step_round(run, filtered, aggregate, base_flat, outer)
-    return conclude_round(run, filtered, stepped, device=device)
+    return conclude_round(run, filtered, stepped)
 
 
 def process_round(
@@ -521,6 +530,6 @@ def process_round(
                             scratch=scratch, rows_in_memory=rows_in_memory)
     try:
         aggregate = aggregate_locally(run, filtered, beacon_seed)
-        return finish_round(run, filtered, aggregate, base_flat, outer, device=device)
+        return finish_round(run, filtered, aggregate, base_flat, outer)
     finally:
         filtered.close()
