@@ -170,17 +170,26 @@ def last_finalized(s: Session, run_id: str) -> int | None:
 
 def kept_digests(s: Session, policy: RetentionPolicy) -> set[str]:
     """What every run keeps whatever its rounds' files: its dataset and genesis model, the
-    base model and outer state of every round still in the window (the current one too),
-    and its latest certified model, outer state and update."""
+    base model and outer state, the reveals and payloads of every round still in the
+    window (the current one too), and its latest certified model, outer state and
+    update."""
     keep: set[str] = set()
     for run in s.execute(select(t.Run)).scalars():
         spec = _spec(run)
         keep |= {spec.dataset_hash, spec.genesis_model_hash}
         last = last_finalized(s, run.run_id)
+        through = policy.expired_through(last)
         for base, outer in s.execute(select(t.Round.base_model_hash, t.Round.outer_state_hash)
                                      .where(t.Round.run_id == run.run_id,
-                                            t.Round.round > policy.expired_through(last))):
+                                            t.Round.round > through)):
             keep |= {h for h in (base, outer) if h is not None}
+        # Files are shared by content: a reveal or payload of a round still in the window
+        # stays even when a byte-identical file of another run's older round expires
+        # (a validator would otherwise find a receipted reveal gone, protocol.md 7.5).
+        keep |= set(s.execute(select(t.SpotRevealRow.reveal_hash).where(
+            t.SpotRevealRow.run_id == run.run_id, t.SpotRevealRow.round > through)).scalars())
+        keep |= set(s.execute(select(t.Submission.payload_hash).where(
+            t.Submission.run_id == run.run_id, t.Submission.round > through)).scalars())
         if last is not None:
             rnd = s.get(t.Round, (run.run_id, last))
             assert rnd is not None

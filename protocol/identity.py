@@ -31,17 +31,21 @@ ROLES = ("worker", "validator", "organiser", "ledger")
 
 @dataclass(frozen=True)
 class PublicIdentity:
-    """What others need to know about a participant: its public keys (hex)."""
+    """What others need to know about a participant: its public keys (hex) and, for a
+    validator that takes reveal receipts from workers directly, its inbox URL."""
 
     ed25519: str
     bls: str | None = None
     bls_pop: str | None = None
+    inbox: str | None = None
 
     def to_json(self) -> dict[str, str]:
         out = {"ed25519": self.ed25519}
         if self.bls is not None and self.bls_pop is not None:
             out["bls"] = self.bls
             out["bls_pop"] = self.bls_pop
+        if self.inbox is not None:
+            out["inbox"] = self.inbox
         return out
 
 

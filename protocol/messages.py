@@ -136,7 +136,11 @@ def decode_signed(data: bytes, cls: type[M], *, max_bytes: int = 1 << 20) -> Sig
 
 # --------------------------------------------------------------------------- run spec
 
-VALIDATOR_INFO = f.record({"ed25519": f.PUBKEY, "bls": f.BLS_PUBKEY, "bls_pop": f.BLS_SIGNATURE})
+#: Where a validator takes workers' reveal receipts straight from them (specs/protocol.md
+#: 7.2 step 6a): an http(s) base URL, or absent (that validator takes none).
+INBOX_URL = f.string(200, r"https?://[A-Za-z0-9.\-\[\]:]+(/[A-Za-z0-9._~/\-]*)?")
+VALIDATOR_INFO = f.record({"ed25519": f.PUBKEY, "bls": f.BLS_PUBKEY, "bls_pop": f.BLS_SIGNATURE,
+                           "inbox": INBOX_URL}, absent_ok=frozenset({"inbox"}))
 NAMED_PARAMS = f.record({"name": f.string(200), "params": f.free_params()})
 INNER = f.record(
     {
@@ -408,6 +412,24 @@ class RunSpec(Message):
             if v["ed25519"] == ed25519_hex:
                 return i
         return None
+
+    def quorum_problem(self) -> str | None:
+        """Why the quorum cannot work, or None: it must be at most the validator count and
+        more than half of it (``2 quorum > n``), so two disjoint quorums never exist to
+        certify two states of one round, or fix two seeds from two boards a ledger shows
+        two validator groups (protocol.md 5.4 assumes ``2 quorum > n + f``)."""
+        n = len(self.validators)
+        if not 1 <= self.quorum <= n:
+            return f"quorum {self.quorum} is not between 1 and the {n} validators"
+        if 2 * self.quorum <= n:
+            return (f"quorum {self.quorum} of {n} validators is not a majority: two disjoint "
+                    f"quorums could certify two states of one round (need 2 quorum > n)")
+        return None
+
+    def validator_inboxes(self) -> dict[str, str]:
+        """Each validator's inbox URL (validator key -> base URL), for those that name one:
+        where a worker hands its reveal receipts past the ledger (protocol.md 7.2)."""
+        return {v["ed25519"]: v["inbox"] for v in self.validators if v.get("inbox")}
 
 
 # --------------------------------------------------------------------------- registration

@@ -92,6 +92,7 @@ def build_run(
     RunSpec.from_body(spec.to_body())
     if (problem := admission_problem_of_spec(spec.admission)) is not None:
         raise ValueError(problem)
-    if (problem := spec.sharding_problem() or spec.masking_problem()) is not None:
+    if (problem := spec.quorum_problem() or spec.sharding_problem()
+            or spec.masking_problem()) is not None:
         raise ValueError(problem)
     return RunBundle(sign(organiser, spec), dataset, genesis)

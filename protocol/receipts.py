@@ -29,6 +29,7 @@ from .messages import (
     RoundResult,
     RunSpec,
     Signed,
+    SpotReveal,
     digest_of,
     open_signed,
 )
@@ -46,6 +47,47 @@ def open_receipt(wire: Any, ledger_key: str) -> Signed[Receipt] | Signed[RevealR
                                 f"ledger ({ledger_key[:12]})", "bad_signature")
         return signed
     raise RejectedInput("not a signed submission or reveal receipt", "malformed")
+
+
+@dataclass(frozen=True)
+class RevealClaim:
+    """A worker's signed reveal envelope with the ledger's signed receipt for it: the
+    ledger's word that this reveal (file ``envelope.reveal_hash``) arrived in time."""
+
+    envelope: Signed[SpotReveal]
+    receipt: Signed[RevealReceipt]
+
+    @property
+    def worker(self) -> str:
+        return self.envelope.message.worker
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"envelope": self.envelope.to_wire(), "receipt": self.receipt.to_wire()}
+
+
+def open_reveal_claim(wire: Any, run_id: str, ledger_key: str) -> RevealClaim:
+    """A ``{"envelope", "receipt"}`` pair checked as every party checks a reveal before it
+    counts: the envelope signed by its worker for run ``run_id``, the receipt signed by the
+    ledger (``ledger_key``) for that very envelope, and received by the deadline it states
+    (``reveal_late`` otherwise: every validator leaves such a reveal out, one reveal set
+    whichever moment it reads the board). Which submission it names is the caller's check
+    (the sealed one)."""
+    if not isinstance(wire, dict) or set(wire) != {"envelope", "receipt"}:
+        raise RejectedInput("a reveal claim is {envelope, receipt}", "malformed")
+    env = open_signed(wire["envelope"], SpotReveal)
+    receipt = open_signed(wire["receipt"], RevealReceipt)
+    msg, got = env.message, receipt.message
+    if env.signer != msg.worker or msg.run_id != run_id:
+        raise RejectedInput("the reveal envelope is not its worker's for this run",
+                            "bad_signature")
+    if (receipt.signer != ledger_key or got.reveal_digest != env.digest
+            or got.reveal_hash != msg.reveal_hash or (got.run_id, got.round, got.worker) != (msg.run_id, msg.round, msg.worker)):
+        raise RejectedInput("the reveal receipt is not this ledger's for this envelope",
+                            "bad_signature")
+    if got.received_at > got.deadline:
+        raise RejectedInput(f"the ledger's receipt records the reveal after its deadline "
+                            f"({got.received_at:.3f} > {got.deadline:.3f})", "reveal_late")
+    return RevealClaim(env, receipt)
 
 
 def certified_verdicts(results: Iterable[Any], cert: CertifiedState, spec: RunSpec

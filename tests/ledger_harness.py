@@ -111,12 +111,35 @@ def run_api(tmp_path: Path, scenario: Callable[[Api], Awaitable[Any]], *,
     return asyncio.run(main())
 
 
+async def open_and_submit(api: Api, bundle: Any, workers: list[Identity], preps: dict[str, Any],
+                          submitting: list[Identity] | None = None) -> None:
+    """Create ``bundle``'s run (a ``build_run`` result), register ``workers`` and submit
+    the prepared submission (``preps``: worker key -> PreparedSubmission) of each worker
+    in ``submitting`` (default: all of them)."""
+    from veritrain.protocol.messages import Registration, sign
+
+    run_id = bundle.signed.message.run_id
+    status, _ = await api.create_run(type("R", (), {
+        "signed": bundle.signed, "dataset": bundle.dataset, "genesis": bundle.genesis})())
+    assert status == 201
+    for w in workers:
+        reg = Registration(run_id=run_id, round=0, participant=w.public_key.hex(),
+                           role="worker", created_at=1)
+        await api.post_json(f"/v1/runs/{run_id}/participants", sign(w, reg).to_wire())
+    for w in submitting if submitting is not None else workers:
+        p = preps[w.public_key.hex()]
+        status, _ = await api.submit(p.signed, p.payload)
+        assert status == 201
+
+
 async def reveal_all(api: Api, run: Any, preps: dict[str, Any], identities: list[Identity],
-                     r: int = 0, *, skip: frozenset[str] = frozenset()) -> int:
+                     r: int = 0, *, skip: frozenset[str] = frozenset(),
+                     hand: bool = False) -> int:
     """Answer every due check of round ``r`` as the workers would: each worker in ``preps``
     (worker key -> its PreparedSubmission) whose reveal is due writes its reveal from its
     evidence and posts it signed with its key from ``identities``; ``skip`` workers reveal
-    nothing. Returns how many posted."""
+    nothing. With ``hand`` each worker then hands its receipted claim to the validators'
+    inboxes, as workers/node.py does. Returns how many posted."""
     from veritrain.protocol.beacon import beacon_seed_of
     from veritrain.protocol.messages import SpotReveal, sign
     from veritrain.protocol.tensors import sha256_hex
@@ -152,6 +175,15 @@ async def reveal_all(api: Api, run: Any, preps: dict[str, Any], identities: list
                                              ("reveal", data)])
         assert status == 201, body
         sent += 1
+        if hand:
+            from veritrain.protocol.receipts import open_reveal_claim
+            from veritrain.workers.disputes import hand_to_validators
+
+            ledger_key = (await api.get("/v1/ledger"))[1]["ledger_key"]
+            claim = open_reveal_claim({"envelope": sign(identity, envelope).to_wire(),
+                                       "receipt": body}, run_id, ledger_key)
+            answers = await hand_to_validators(run.spec, claim)
+            assert set(answers.values()) <= {"held"}, answers
     return sent
 
 

@@ -15,11 +15,11 @@ import dataclasses
 import pytest
 import torch
 from fakes import validator_identities
-from ledger_harness import Api, reveal_all, run_api
+from ledger_harness import Api, open_and_submit, reveal_all, run_api
 from test_validator_http import honest, synthetic_settings
 from veritrain.ledger.client import LedgerClient
 from veritrain.protocol.identity import Identity
-from veritrain.protocol.messages import Registration, digest_of, sign
+from veritrain.protocol.messages import digest_of, sign
 from veritrain.protocol.organiser import build_run
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import sha256_hex
@@ -43,21 +43,9 @@ def _play(tmp_path, devices: tuple[str, str]):
                                  payload_bytes=len(flipped))
 
     async def scenario(api: Api):
-        status, _ = await api.create_run(type("R", (), {
-            "signed": bundle.signed, "dataset": bundle.dataset, "genesis": bundle.genesis})())
-        assert status == 201
-        for w in workers:
-            reg = Registration(run_id=RUN, round=0, participant=w.public_key.hex(),
-                               role="worker", created_at=1)
-            await api.post_json(f"/v1/runs/{RUN}/participants", sign(w, reg).to_wire())
-        for w in workers:
-            p = preps[w.public_key.hex()]
-            if w.public_key.hex() == forger:
-                signed = sign(w, forged)
-                preps[forger] = dataclasses.replace(p, signed=signed, payload=flipped)
-                assert (await api.submit(signed, flipped))[0] == 201
-            else:
-                assert (await api.submit(p.signed, p.payload))[0] == 201
+        preps[forger] = dataclasses.replace(good, signed=sign(workers[-1], forged),
+                                            payload=flipped)
+        await open_and_submit(api, bundle, workers, preps)
         nodes = [ValidatorNode(ValidatorConfig(ledger_url=api.url, run_id=RUN, device=d,
                                                poll_seconds=0.05), v)
                  for v, d in zip(validators, devices, strict=True)]

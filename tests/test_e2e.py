@@ -11,6 +11,7 @@ one verdict, the audit of the whole log passes).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sqlite3
 import subprocess
@@ -26,7 +27,7 @@ from veritrain.protocol.identity import Identity, write_key_file
 from veritrain.protocol.organiser import build_run
 from veritrain.protocol.presets import run_preset
 
-from veritrain.local import LocalProcesses, child_env
+from veritrain.local import LocalProcesses, child_env, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -83,8 +84,9 @@ def test_tiny_run_end_to_end_with_cheaters(tmp_path: Path):
     settings["verification"]["beacon"] = "threshold"  # 5.4a, the CLI's default
     settings["schedule"]["max_rounds"] = ROUNDS
     settings["verification"]["reveal_seconds"] = 5.0  # the free rider never reveals
-    bundle = build_run(Identity.generate("organiser"), "e2e", settings,
-                       [keys["validator"].public])
+    # The validator takes the workers' reveal receipts at its inbox (protocol.md 7.2).
+    bundle = build_run(Identity.generate("organiser"), "e2e", settings, [dataclasses.replace(
+        keys["validator"].public, inbox=f"http://127.0.0.1:{free_port()}")])
     procs = LocalProcesses(tmp_path / "logs")
     try:
         url = procs.start_ledger(tmp_path / "ledger")
@@ -155,7 +157,7 @@ def test_tiny_run_end_to_end_with_cheaters(tmp_path: Path):
             if path.stem.isdigit():
                 body = json.loads(path.read_text())["body"]
                 receipts.add((ident.public_key.hex(), body["round"], body["submission_digest"]))
-            elif name.startswith("honest"):
+            elif name.startswith("honest") and path.name.endswith(".reveal.json"):
                 body = json.loads(path.read_text())["body"]
                 assert body["received_at"] <= body["deadline"]
                 revealed.add((ident.public_key.hex(), body["round"]))
@@ -164,6 +166,13 @@ def test_tiny_run_end_to_end_with_cheaters(tmp_path: Path):
     assert {(k, r) for k, r, _ in stored if k in honest_keys} <= revealed
     verdicts = list(db.execute("select worker, round from verdicts where run_id='e2e'"))
     assert sorted(verdicts) == sorted((w, r) for w, r, _ in stored)
+    # Each receipted reveal also reached the validator's inbox, past the ledger, and
+    # nothing else did (the free rider revealed nothing).
+    kept = tmp_path / "state" / "validator" / "reveal-receipts-e2e.jsonl"
+    handed = {(c["envelope"]["body"]["worker"], c["envelope"]["body"]["round"])
+              for c in map(json.loads, kept.read_text().splitlines())}
+    assert {(k, r) for k, r in revealed if r >= ROUNDS - 4} <= handed, (handed, revealed)
+    assert keys["free_rider"].public_key.hex() not in {k for k, _ in handed}
 
 
 def test_sharded_run_end_to_end_catches_a_validator_that_shifts_its_shard(tmp_path: Path):

@@ -78,6 +78,14 @@ def test_duplicate_run_with_many_validators_is_answered_before_any_bls(tmp_path)
         status, body = await api.post_parts("/v1/runs", [("spec", big.encode())])
         assert status == 400 and "at most 64" in body["detail"], body
         assert verifier.computed == before
+        # A quorum of half the validators or fewer: two disjoint quorums could certify two
+        # states of one round. Refused as cheaply.
+        for quorum in (2, 5):
+            odd = _respec(run, stranger, run_id="minority-run",
+                          validators=_junk_validators(4), quorum=quorum)
+            status, body = await api.post_parts("/v1/runs", [("spec", odd.encode())])
+            assert status == 400 and "quorum" in body["detail"], body
+        assert verifier.computed == before
         # A proof verified once is remembered: the same key list in a new spec costs nothing.
         again = _respec(run, stranger, run_id="dup-run-2")
         status, _ = await api.post_parts("/v1/runs", [

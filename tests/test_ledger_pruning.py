@@ -568,3 +568,29 @@ def test_migration_adds_and_removes_the_pruned_blobs_table(tmp_path):
     finally:
         engine.dispose()
 
+
+
+def test_a_file_a_round_of_another_run_still_needs_is_kept(tmp_path):
+    """Blobs are shared by content: a reveal of another run's round still in its window
+    (here a closed, unjudged round) keeps its file even when the same bytes are an expired
+    reveal of this run. Otherwise validators would find a receipted reveal gone and
+    certify nothing (specs/protocol.md 7.5 step 3)."""
+    copy_played(tmp_path)
+    _, _, played = played_once()
+    shared = sorted(d for d, kind, *_ in expected_pruned(played, 2) if kind == "reveal")[0]
+    with sqlite3.connect(tmp_path / "ledger.sqlite") as conn:
+        conn.execute("INSERT INTO runs SELECT 'other-run', organiser, spec, created_at, status "
+                     "FROM runs WHERE run_id = ?", (RUN,))
+        conn.execute("INSERT INTO rounds (run_id, round, status, base_model_hash, opened_at, "
+                     "deadline, extensions) VALUES ('other-run', 0, 'closed', 'aa', 0, 1, 0)")
+        conn.execute("INSERT INTO spot_reveals (run_id, round, worker, digest, envelope, "
+                     "reveal_hash, size, received_at, receipt) VALUES ('other-run', 0, 'w', "
+                     "'dd', x'00', ?, 1, 0, x'00')", (shared,))
+
+    async def scenario(api: Api, played: Played) -> None:
+        pass
+
+    serve_copy(tmp_path, scenario, RetentionPolicy(2))
+    pruned = {d for d, *_ in pruned_rows(tmp_path)}
+    assert pruned == {d for d, *_ in expected_pruned(played, 2)} - {shared}
+    assert on_disk(tmp_path, shared)

@@ -188,3 +188,24 @@ def test_run_spec_feedback_decay_is_optional_and_bounded():
     for bad in (1.5, -0.1, "0.5"):
         with pytest.raises(EncodingError, match="feedback_decay"):
             RunSpec.from_body({**body, "inner": {**body["inner"], "feedback_decay": bad}})
+
+
+@pytest.mark.parametrize("n,quorum,ok", [(1, 1, True), (3, 2, True), (4, 3, True),
+                                         (4, 2, False), (2, 1, False), (3, 4, False),
+                                         (3, 0, False)])
+def test_a_quorum_must_be_a_majority_of_the_validators(n, quorum, ok):
+    """Two disjoint quorums would certify two states of one round (or fix two seeds from
+    two boards): a spec needs ``n / 2 < quorum <= n``, and its inboxes are read back."""
+    validators = [Identity.generate("validator") for _ in range(n)]
+    run = make_synthetic_run("quorum-run", validators)
+    body = run.spec.to_body()
+    body["validators"] = [{**v, "inbox": f"http://127.0.0.1:{9000 + i}"}
+                          for i, v in enumerate(body["validators"])]
+    spec = RunSpec.from_body({**body, "quorum": quorum}) if quorum >= 1 else dataclasses.replace(
+        RunSpec.from_body(body), quorum=quorum)
+    assert (spec.quorum_problem() is None) == ok, spec.quorum_problem()
+    assert spec.validator_inboxes() == {v["ed25519"]: f"http://127.0.0.1:{9000 + i}"
+                                        for i, v in enumerate(body["validators"])}
+    with pytest.raises(EncodingError):  # an inbox is an http(s) URL, nothing else
+        RunSpec.from_body({**body, "validators": [
+            {**body["validators"][0], "inbox": "file:///etc/passwd"}]})

@@ -205,7 +205,8 @@ def test_every_validator_leaves_out_a_reveal_its_receipt_calls_late(tmp_path) ->
 
     node = ValidatorNode(ValidatorConfig(ledger_url="http://unused", run_id="late-run"),
                          validator_identities(1)[0])
-    got = asyncio.run(node.gather_reveals(Board(), run, 0, submitted))
+    got = asyncio.run(node.gather_reveals(Board(), run, 0, submitted,
+                                          due={w: [0] for w in submitted}))
     assert set(got) == {on_time.public_key.hex()}
 
 

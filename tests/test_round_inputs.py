@@ -22,7 +22,7 @@ import time
 
 import pytest
 from fakes import validator_identities
-from ledger_harness import Api, run_api
+from ledger_harness import Api, open_and_submit, run_api
 from test_validator_http import honest, synthetic_settings, validate
 from veritrain.ledger import queries
 from veritrain.ledger import schema as t
@@ -31,7 +31,6 @@ from veritrain.ledger.client import LedgerClient, LedgerRefused
 from veritrain.ledger.store import LedgerStore
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
-from veritrain.protocol.messages import Registration, sign
 from veritrain.protocol.organiser import build_run
 from veritrain.protocol.runtime import RunContext
 from veritrain.validators.node import ValidatorConfig, ValidatorNode
@@ -49,20 +48,6 @@ def _run(n_workers: int = 3):
     workers = [Identity.generate("worker") for _ in range(n_workers)]
     preps = {w.public_key.hex(): honest(run, base, w) for w in workers}
     return validator, bundle, run, workers, preps
-
-
-async def _register_and_submit(api: Api, bundle, workers, preps, submitting=None) -> None:
-    status, _ = await api.create_run(type("R", (), {
-        "signed": bundle.signed, "dataset": bundle.dataset, "genesis": bundle.genesis})())
-    assert status == 201
-    for w in workers:
-        reg = Registration(run_id=RUN, round=0, participant=w.public_key.hex(),
-                           role="worker", created_at=1)
-        await api.post_json(f"/v1/runs/{RUN}/participants", sign(w, reg).to_wire())
-    for w in submitting if submitting is not None else workers:
-        p = preps[w.public_key.hex()]
-        status, _ = await api.submit(p.signed, p.payload)
-        assert status == 201
 
 
 def _hide(monkeypatch, worker: str) -> None:
@@ -84,7 +69,7 @@ def test_a_share_for_a_participant_view_the_ledger_does_not_hold_is_refused(tmp_
     _hide(monkeypatch, hidden)
 
     async def scenario(api: Api):
-        await _register_and_submit(api, bundle, workers, preps)
+        await open_and_submit(api, bundle, workers, preps)
         node = ValidatorNode(ValidatorConfig(ledger_url=api.url, run_id=RUN,
                                              poll_seconds=0.05), validator)
         async with LedgerClient(api.url, retry_for=5.0) as client:
@@ -107,7 +92,7 @@ def test_a_view_the_chain_contradicts_is_named_by_the_audit_and_seen_by_the_work
         **real(self, s, spec, r), hidden: "unknown_worker"})
 
     async def scenario(api: Api):
-        await _register_and_submit(api, bundle, workers, preps)
+        await open_and_submit(api, bundle, workers, preps)
         outcome, summary = await validate(api, run, validator, preps, workers,
                                           skip=frozenset({hidden}))
         _, sealed = await api.get(f"/v1/runs/{RUN}/rounds/0/submissions")
@@ -140,7 +125,7 @@ def test_without_the_lie_the_same_round_certifies_and_audits(tmp_path, monkeypat
                         lambda self, *a: computed.append(a[1:]) or real(self, *a))
 
     async def scenario(api: Api):
-        await _register_and_submit(api, bundle, workers, preps)
+        await open_and_submit(api, bundle, workers, preps)
         for _ in range(5):
             _, sealed = await api.get(f"/v1/runs/{RUN}/rounds/0/submissions")
             assert sealed["excluded"] == {}
@@ -164,7 +149,7 @@ def test_a_round_sealed_early_gets_no_share(tmp_path):
     validator, bundle, run, workers, preps = _run()
 
     async def scenario(api: Api):
-        await _register_and_submit(api, bundle, workers, preps, submitting=workers[:2])
+        await open_and_submit(api, bundle, workers, preps, submitting=workers[:2])
         with api.store.sessions.begin() as s:
             rnd = s.get(t.Round, (RUN, 0))
             assert rnd.status == "open" and rnd.deadline > time.time() + 20

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from aiohttp import web
 from veritrain.ledger.client import (
     LedgerClient,
     LedgerRefused,
@@ -56,10 +57,8 @@ from veritrain.protocol.messages import (
     BeaconShare,
     CertifiedState,
     OpeningsShare,
-    RevealReceipt,
     RoundResult,
     RunSpec,
-    SpotReveal,
     Submission,
     digest_of,
     open_signed,
@@ -73,6 +72,7 @@ from veritrain.protocol.openings import (
     verify_openings,
 )
 from veritrain.protocol.outer import OuterState
+from veritrain.protocol.receipts import RevealClaim, open_reveal_claim
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.secagg import check_dealt, words_file_bytes
 from veritrain.protocol.tensors import ParamShapes, _header, all_finite, sha256_hex, split_flat
@@ -86,6 +86,7 @@ from .dkg import (
     save_share,
     share_path,
 )
+from .inbox import ReceiptInbox, listen_address, start_inbox
 from .masked import filter_masked_round, words_of
 from .membership import check_close, fetch_participant_view
 from .round import (
@@ -96,6 +97,7 @@ from .round import (
     aggregate_locally,
     conclude_round,
     filter_round,
+    round_challenges,
     step_round,
 )
 from .sharded import ShardedRound
@@ -134,9 +136,13 @@ class ValidatorConfig:
     #: The JSON file where the node keeps the lists it signed, one per kind and round
     #: (protocol/board.py ``SignedOnce``); None: ``state_dir``'s, or in memory only.
     signed_path: Path | None = None
-    #: What a validator keeps across restarts (mode 0700): the lists it signed and its
-    #: secret share of each threshold-beacon run's group key; None: nothing (tests).
+    #: What a validator keeps across restarts (mode 0700): the lists it signed, its
+    #: secret share of each threshold-beacon run's group key and the reveal receipts
+    #: workers handed its inbox; None: nothing (tests).
     state_dir: Path | None = None
+    #: Where the reveal-receipt inbox listens ("HOST:PORT"), when not at the host and port
+    #: of this validator's ``inbox`` URL in the run spec (e.g. behind a proxy).
+    inbox_listen: str | None = None
 
 
 def dkg_board_summary(view: dict[str, Any]) -> str:
@@ -180,6 +186,13 @@ class ValidatorNode:
         #: restart (``certified_base``).
         self.certified_mark = CertifiedMark.in_file(
             config.state_dir / CERTIFIED_MARK_FILE if config.state_dir is not None else None)
+        #: The reveal receipts workers handed this validator (validators/inbox.py); None
+        #: until the run is known, and for a validator the spec names no inbox for.
+        self.inbox: ReceiptInbox | None = None
+        #: When this node saw each round's beacon fixed, having waited for it (its own
+        #: clock): the reveal deadline the ledger states cannot be earlier than that plus
+        #: ``reveal_seconds`` (less the clock slack), ``gather_reveals``.
+        self.beacon_seen: dict[int, float] = {}
 
     async def run(self, *, max_rounds: int | None = None) -> None:
         async with LedgerClient(self.config.ledger_url, retry_for=self.config.retry_for) as client:
@@ -187,70 +200,103 @@ class ValidatorNode:
             spec = await fetch_run(client, self.config.run_id)
             if spec.validator_index(self.me) is None:
                 raise SystemExit("this key is not a validator of the run")
-            # bytes: a task's load_dataset takes the blob as bytes (tasks.md)
-            dataset = bytes(await client.get_blob(spec.dataset_hash,
-                                                  max_bytes=spec.dataset_bytes, kind="dataset"))
-            run = await asyncio.to_thread(RunContext.build, spec, dataset)
-            log.info("validating run %s (%d parameters)", spec.run_id, run.numel)
-            if spec.threshold_beacon:
-                try:
-                    await self.run_dkg(client, spec)
-                except RejectedInput as exc:
-                    if exc.reason != "dkg_failed":
-                        raise
-                    # The ledger ends such a run (specs/protocol.md 6): nothing to validate.
-                    log.error("%s; run %s cannot go on", exc, spec.run_id)
-                    self.faults.append({"round": None, "kind": "dkg_failed", "detail": str(exc)})
+            runner = await self.open_inbox(client, spec)
+            try:
+                await self._follow(client, spec, max_rounds)
+            finally:
+                if runner is not None:
+                    await runner.cleanup()
+
+    async def open_inbox(self, client: LedgerClient, spec: RunSpec) -> web.AppRunner | None:
+        """Start taking workers' reveal receipts, when the run spec names an inbox for this
+        validator (validators/inbox.py); the runner to clean up, or None."""
+        url = spec.validator_inboxes().get(self.me)
+        if url is None:
+            return None
+        ledger_key = (await client.get_json("/v1/ledger"))["ledger_key"]
+        path = (self.config.state_dir / f"reveal-receipts-{spec.run_id}.jsonl"
+                if self.config.state_dir is not None else None)
+        inbox = ReceiptInbox(spec.run_id, ledger_key, path)
+        try:
+            runner = await start_inbox(inbox, *listen_address(url, self.config.inbox_listen))
+        except OSError as exc:  # validating goes on; workers' claims do not reach this node
+            log.error("the reveal-receipt inbox cannot listen for %s: %s", url, exc)
+            self.faults.append({"round": None, "kind": "inbox", "detail": str(exc)[:300]})
+            return None
+        self.inbox = inbox
+        return runner
+
+    async def _follow(self, client: LedgerClient, spec: RunSpec,
+                      max_rounds: int | None) -> None:
+        """Validate each closed round of ``spec``'s run in order until it ends (or
+        ``max_rounds`` were certified here)."""
+        # bytes: a task's load_dataset takes the blob as bytes (tasks.md)
+        dataset = bytes(await client.get_blob(spec.dataset_hash,
+                                              max_bytes=spec.dataset_bytes, kind="dataset"))
+        run = await asyncio.to_thread(RunContext.build, spec, dataset)
+        log.info("validating run %s (%d parameters)", spec.run_id, run.numel)
+        if spec.threshold_beacon:
+            try:
+                await self.run_dkg(client, spec)
+            except RejectedInput as exc:
+                if exc.reason != "dkg_failed":
+                    raise
+                # The ledger ends such a run (specs/protocol.md 6): nothing to validate.
+                log.error("%s; run %s cannot go on", exc, spec.run_id)
+                self.faults.append({"round": None, "kind": "dkg_failed", "detail": str(exc)})
+                return
+        r = 0
+        done = 0
+        refused: set[int] = set()  # rounds whose board this validator will not certify
+        while max_rounds is None or done < max_rounds:
+            try:
+                info = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}")
+            except LedgerRefused as exc:
+                if exc.reason != "not_found":
+                    raise
+                overview = await client.get_json(f"/v1/runs/{spec.run_id}")
+                if overview["status"] != "active":
+                    log.info("run %s is %s", spec.run_id, overview["status"])
                     return
-            r = 0
-            done = 0
-            refused: set[int] = set()  # rounds whose board this validator will not certify
-            while max_rounds is None or done < max_rounds:
-                try:
-                    info = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}")
-                except LedgerRefused as exc:
-                    if exc.reason != "not_found":
-                        raise
-                    overview = await client.get_json(f"/v1/runs/{spec.run_id}")
-                    if overview["status"] != "active":
-                        log.info("run %s is %s", spec.run_id, overview["status"])
-                        return
-                    await asyncio.sleep(self.config.poll_seconds)
+                await asyncio.sleep(self.config.poll_seconds)
+                continue
+            if info["status"] in ("finalized", "voided"):
+                r += 1
+                if self.inbox is not None:
+                    self.inbox.moved_to(r)
+                continue
+            if info["status"] == "open":
+                await asyncio.sleep(min(self.config.poll_seconds,
+                                        max(0.05, info["deadline"] - info["now"])))
+                continue
+            results = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/results")
+            if any(x["body"]["validator"] == self.me for x in results["results"]):
+                await asyncio.sleep(self.config.poll_seconds)
+                continue
+            if r in refused:
+                await asyncio.sleep(self.config.poll_seconds)
+                continue
+            try:
+                await self.validate_round(client, run, info)
+            except LedgerRefused as exc:
+                if exc.reason == "round_finalized":
+                    log.info("round %d was finalized without this validator: %s", r,
+                             exc.detail)
                     continue
-                if info["status"] in ("finalized", "voided"):
-                    r += 1
-                    continue
-                if info["status"] == "open":
-                    await asyncio.sleep(min(self.config.poll_seconds,
-                                            max(0.05, info["deadline"] - info["now"])))
-                    continue
-                results = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/results")
-                if any(x["body"]["validator"] == self.me for x in results["results"]):
-                    await asyncio.sleep(self.config.poll_seconds)
-                    continue
-                if r in refused:
-                    await asyncio.sleep(self.config.poll_seconds)
-                    continue
-                try:
-                    await self.validate_round(client, run, info)
-                except LedgerRefused as exc:
-                    if exc.reason == "round_finalized":
-                        log.info("round %d was finalized without this validator: %s", r,
-                                 exc.detail)
-                        continue
-                    self.fault(r, exc.reason, exc.detail, refused)
-                    await asyncio.sleep(self.config.poll_seconds)
-                    continue
-                except RejectedInput as exc:
-                    # Bad input from the ledger or a peer: recorded, never a reason to stop.
-                    self.fault(r, exc.reason, str(exc), refused, final=exc.reason in (
-                        "invalid_board", "invalid_beacon", "board_fault"))
-                    continue
-                except LedgerUnavailable as exc:
-                    log.warning("round %d: %s; trying again", r, exc)
-                    await asyncio.sleep(self.config.poll_seconds)
-                    continue
-                done += 1
+                self.fault(r, exc.reason, exc.detail, refused)
+                await asyncio.sleep(self.config.poll_seconds)
+                continue
+            except RejectedInput as exc:
+                # Bad input from the ledger or a peer: recorded, never a reason to stop.
+                self.fault(r, exc.reason, str(exc), refused, final=exc.reason in (
+                    "invalid_board", "invalid_beacon", "board_fault", "early_deadline"))
+                await asyncio.sleep(self.config.poll_seconds)
+                continue
+            except LedgerUnavailable as exc:
+                log.warning("round %d: %s; trying again", r, exc)
+                await asyncio.sleep(self.config.poll_seconds)
+                continue
+            done += 1
 
     def fault(self, r: int, reason: str, detail: str, refused: set[int], *,
               final: bool = False) -> None:
@@ -299,9 +345,12 @@ class ValidatorNode:
                             share=self.identity.sign_bls(beacon_root(run_id, r)).hex(),
                             sealed=digest, participants=participants)
         reply = await client.post_message(f"{base}/beacon", sign(self.identity, share).to_wire())
+        waited = reply["beacon"] is None
         while reply["beacon"] is None:
             await asyncio.sleep(self.config.poll_seconds)
             reply = await client.get_json(f"{base}/beacon")
+        if waited:
+            self.beacon_seen.setdefault(r, time.time())
         # The seed picks the spot checks and the masked buckets: checked, not taken on trust.
         try:
             return await asyncio.to_thread(
@@ -437,9 +486,12 @@ class ValidatorNode:
             reply = await client.post_message(f"{base}/partials", wire)
         else:
             reply = await client.get_json(f"{base}/partials")
+        waited = reply["beacon"] is None
         while reply["beacon"] is None:
             await asyncio.sleep(self.config.poll_seconds)
             reply = await client.get_json(f"{base}/partials")
+        if waited:
+            self.beacon_seen.setdefault(r, time.time())
         try:
             return await asyncio.to_thread(
                 functools.partial(dkg.verify_threshold_beacon, self.dkg_result.group_key,
@@ -450,65 +502,138 @@ class ValidatorNode:
                                 "invalid_beacon") from exc
 
     async def gather_reveals(self, client: LedgerClient, run: RunContext, r: int,
-                             submitted: dict[str, str], store: BlobFiles | None = None
+                             submitted: dict[str, str], store: BlobFiles | None = None, *,
+                             due: Mapping[str, list[int]], not_before: float | None = None
                              ) -> Mapping[str, bytes]:
         """Wait until every due reveal arrived or the reveal deadline passed; fetch the files.
 
-        A reveal counts only in its worker's signed envelope, for this run and round,
-        naming that worker's sealed submission (``submitted``: worker -> its digest), with
-        the ledger's receipt; what is missing is simply absent, and the checks that need
-        it fail. With ``store`` each file goes to disk as it arrives and the mapping
-        returned reads it back when asked for: one reveal in memory at a time.
+        ``due``: the workers this node's own draw checks, with their segments (the
+        ledger's challenge list is read for its files only). A reveal counts only in its
+        worker's signed envelope, for this run and round, naming that worker's sealed
+        submission (``submitted``: worker -> its digest), with the ledger's receipt of it
+        by the deadline (``open_reveal_claim``); what is missing is simply absent, and the
+        checks that need it fail. But a due worker whose reveal the ledger receipted in
+        time, on its board or in a claim the worker handed this node's inbox, and whose
+        file the ledger does not serve, is no missing reveal: the ledger withholds it, and
+        this node certifies nothing for the round (``withheld_reveal``) rather than judge
+        it. With ``store`` each file goes to disk as it arrives and the mapping returned
+        reads it back when asked for: one reveal in memory at a time.
+
+        The deadline is the ledger's, but the wait ends only once this node's clock has
+        passed it too, and ``not_before`` (when this node saw the beacon fixed, plus
+        ``reveal_seconds``, less the clock slack) bounds it: an earlier one is the
+        ledger cutting workers short, ``early_deadline``.
         """
         spec = run.spec
         path = f"/v1/runs/{spec.run_id}/rounds/{r}/challenges"
+        expected = set(due) & set(submitted)
+
+        def complete(view: dict[str, Any]) -> bool:  # by this node's draw, not the board's
+            return expected <= {c["worker"] for c in view["challenges"]
+                                if isinstance(c, dict) and c.get("reveal") is not None}
+
+        def passed(view: dict[str, Any]) -> bool:
+            if not view["fixed"]:
+                return False
+            deadline = float(view["reveal_deadline"])
+            if not_before is not None and deadline < not_before:
+                raise RejectedInput(
+                    f"round {r}: the ledger states the reveal deadline {deadline:.3f}, "
+                    f"{not_before - deadline:.1f} s before the beacon this node saw fixed "
+                    "allows (reveal_seconds after it, less the clock slack)",
+                    "early_deadline")
+            return view["now"] >= deadline and time.time() >= deadline
+
         view = await client.get_json(path)
-        while not view["complete"] and (not view["fixed"] or view["now"] < view["reveal_deadline"]):
+        while not complete(view) and not passed(view):
             await asyncio.sleep(self.config.poll_seconds)
             view = await client.get_json(path)
-        if not view["complete"]:
+        if not complete(view):
             # A reveal receipted at the deadline commits a moment after a read that already
-            # saw the deadline pass: read once more, so no validator misses it.
+            # saw the deadline pass: wait a moment so no validator misses it.
             await asyncio.sleep(REVEAL_SETTLE_SECONDS)
-            view = await client.get_json(path)
+        # The claims handed in so far, then the board: a ledger commits a reveal before it
+        # answers with the receipt, so an honest board read now lists every claim held.
+        handed = self.inbox.held(r) if self.inbox is not None else {}
+        view = await client.get_json(path)
         ledger_key = (await client.get_json("/v1/ledger"))["ledger_key"]
         policy = ChallengePolicy.of_run(spec)
+        listed = {c["worker"]: c["reveal"] for c in view["challenges"]
+                  if isinstance(c, dict) and c.get("reveal") is not None}
         reveals: dict[str, bytes] | BlobFiles = {} if store is None else store
-        for c in view["challenges"]:
-            worker, got = c["worker"], c["reveal"]
-            if got is None or worker not in submitted:
+        withheld: list[str] = []
+        for worker in sorted(set(due) & set(submitted)):
+            claim = self._counted_claim(spec, r, worker, submitted[worker], listed.get(worker),
+                                        ledger_key)
+            on_board = claim is not None
+            if claim is None:
+                claim = handed.get(worker)
+                if claim is None or not _claim_names(claim, spec.run_id, r, submitted[worker]):
+                    continue  # no reveal receipted in time: missing
+            msg = claim.envelope.message
+            bound = max_reveal_file_bytes(
+                run.numel, run.inner.trail_every, len(due[worker]) or 1, policy,
+                payload_bytes=spec.limits["max_payload_bytes"] if spec.masked else 0)
+            if msg.reveal_bytes > bound:  # the worker's own envelope claims too big a file
+                log.warning("round %d: reveal of %s claims %d bytes, over the %d its checks "
+                            "take", r, worker[:12], msg.reveal_bytes, bound)
+                continue
+            if not on_board:
+                withheld.append(f"{worker[:12]} (receipted at {claim.receipt.message.received_at:.3f}"
+                                f", deadline {claim.receipt.message.deadline:.3f}; not listed)")
                 continue
             try:
-                env = open_signed(got["envelope"], SpotReveal)
-                receipt = open_signed(got["receipt"], RevealReceipt)
-                msg = env.message
-                if (env.signer != worker or msg.worker != worker
-                        or (msg.run_id, msg.round) != (spec.run_id, r)
-                        or msg.submission_digest != submitted[worker]):
-                    raise RejectedInput("reveal envelope is not its worker's for this round",
-                                        "bad_signature")
-                if receipt.signer != ledger_key or receipt.message.reveal_digest != env.digest:
-                    raise RejectedInput("reveal receipt is not the ledger's for it",
-                                        "bad_signature")
-                if receipt.message.received_at > receipt.message.deadline:
-                    # Whatever the ledger lists, every validator leaves a reveal its own
-                    # receipt calls late out: one reveal set, whichever moment it polls.
-                    raise RejectedInput("the ledger's receipt records the reveal after its "
-                                        "deadline", "reveal_late")
-                bound = max_reveal_file_bytes(
-                    run.numel, run.inner.trail_every, len(c["segments"]) or 1, policy,
-                    payload_bytes=spec.limits["max_payload_bytes"] if spec.masked else 0)
-                data = await client.get_blob(msg.reveal_hash,
-                                             max_bytes=min(msg.reveal_bytes, bound),
+                data = await client.get_blob(msg.reveal_hash, max_bytes=msg.reveal_bytes,
                                              kind="reveals")
-                if isinstance(reveals, BlobFiles):
-                    reveals.put(worker, data)
-                else:
-                    reveals[worker] = data
-                del data
             except (RejectedInput, LedgerRefused) as exc:
-                log.warning("round %d: reveal of %s unusable: %s", r, worker[:12], exc)
+                withheld.append(f"{worker[:12]} (listed, file not served: {exc})")
+                continue
+            if isinstance(reveals, BlobFiles):
+                reveals.put(worker, data)
+            else:
+                reveals[worker] = data
+            del data
+        if withheld:
+            raise RejectedInput(
+                f"round {r}: the ledger receipted {len(withheld)} due reveal(s) in time and "
+                f"does not serve them: {'; '.join(withheld)[:600]}; not judging them missing, "
+                "not certifying the round", "withheld_reveal")
         return reveals
+
+    def check_claims_before_signing(self, spec: RunSpec, r: int,
+                                    verdicts: list[dict[str, Any]]) -> None:
+        """The last look before signing: a worker's claim that reached the inbox while the
+        round was being judged still stops a ``missing_reveal`` on that very submission
+        (``withheld_reveal``). A claim that arrives after the result is posted is evidence
+        for ``veritrain audit receipt`` only."""
+        if self.inbox is None:
+            return
+        held = self.inbox.held(r)
+        late = [v["worker"] for v in verdicts
+                if v.get("reason") == "missing_reveal" and v["worker"] in held
+                and _claim_names(held[v["worker"]], spec.run_id, r, v["submission_digest"])]
+        if late:
+            raise RejectedInput(
+                f"round {r}: the ledger receipted the reveal of {', '.join(w[:12] for w in late)}"
+                " in time (its claim reached this node while the round was judged) and the "
+                "board never listed it; not certifying it missing", "withheld_reveal")
+
+    def _counted_claim(self, spec: RunSpec, r: int, worker: str, submission: str,
+                       listed: Any, ledger_key: str) -> RevealClaim | None:
+        """The board's reveal of ``worker`` if it counts (``open_reveal_claim``, naming its
+        sealed submission in this round); None, with why logged, otherwise."""
+        if listed is None:
+            return None
+        try:
+            claim = open_reveal_claim(listed, spec.run_id, ledger_key)
+        except RejectedInput as exc:
+            log.warning("round %d: reveal of %s unusable: %s", r, worker[:12], exc)
+            return None
+        if claim.worker != worker or not _claim_names(claim, spec.run_id, r, submission):
+            log.warning("round %d: reveal listed for %s is not its worker's for this round's "
+                        "sealed submission", r, worker[:12])
+            return None
+        return claim
 
     async def validate_round(self, client: LedgerClient, run: RunContext,
                              info: dict[str, Any]) -> RoundOutcome:
@@ -587,9 +712,14 @@ class ValidatorNode:
             filtered = await self.masked_filter(client, run, info, base_flat, candidates,
                                                 registered, banned, seed, scratch)
         else:
+            seen = self.beacon_seen.get(r)
             reveals = await self.gather_reveals(
                 client, run, r, {c.worker: c.signed.digest for c in candidates},
-                BlobFiles(scratch / "reveals"))
+                BlobFiles(scratch / "reveals"),
+                due=due_reveals(spec, round_challenges(run, candidates, seed)),
+                not_before=None if seen is None else (
+                    seen + spec.verification["reveal_seconds"]
+                    - self.config.clock_slack_seconds))
             lap("reveal_wait")
             filtered = await asyncio.to_thread(functools.partial(
                 filter_round, run, r, info["base_model_hash"], base_flat, candidates,
@@ -618,6 +748,7 @@ class ValidatorNode:
         outer_hash = await asyncio.to_thread(
             write_flat_file, outer_out, OuterState.layout(run.numel),
             {"momentum": outcome.new_outer.momentum, "residual": outcome.new_outer.residual})
+        self.check_claims_before_signing(spec, r, outcome.verdicts)
         certified = CertifiedState(
             run_id=spec.run_id, round=r + 1, model_hash=model_hash,
             outer_state_hash=outer_hash,
@@ -667,13 +798,14 @@ class ValidatorNode:
             view = await client.get_json(path)
         check_dealt(seed, [c.signed.message.worker for c in candidates], masked["bucket_size"],
                     [b["assigned"] for b in view["buckets"]])  # the view it unmasks, too
-        reveals = await self.gather_reveals(
-            client, run, r, {c.worker: c.signed.digest for c in candidates},
-            None if scratch is None else BlobFiles(scratch / "reveals"))
-        challenges = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/challenges")
-        survivors = {w for b in view["buckets"] if b["live"] for w in b["survivors"] or ()}
         opened = compute_challenges(checks_seed, sorted(c.worker for c in candidates),
                                     ChallengePolicy.of_run(spec), buckets=survivor_sets)
+        reveals = await self.gather_reveals(
+            client, run, r, {c.worker: c.signed.digest for c in candidates},
+            None if scratch is None else BlobFiles(scratch / "reveals"),
+            due=due_reveals(spec, opened))
+        challenges = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/challenges")
+        survivors = {w for b in view["buckets"] if b["live"] for w in b["survivors"] or ()}
         waiting = {w for w, segments in opened.items() if segments} & survivors
         while (waiting - {o["body"]["worker"] for o in view["posts"]["opening"]}
                and view["now"] < (challenges["reveal_deadline"] or 0)):
@@ -771,6 +903,18 @@ class ValidatorNode:
         sharded = ShardedRound(client, self.identity, self.signed_once, self.config.poll_seconds,
                                self.config.shard_wait, self.config.attack, self.skipped_posts)
         return await sharded.aggregate(run.spec, filtered, beacon_seed)
+
+
+def due_reveals(spec: RunSpec, challenges: Mapping[str, list[int]]) -> dict[str, list[int]]:
+    """The workers whose reveal is due under this node's own draw, with their segments."""
+    due = set(ChallengePolicy.of_run(spec).checked_workers(dict(challenges)))
+    return {w: list(segs) for w, segs in challenges.items() if w in due}
+
+
+def _claim_names(claim: RevealClaim, run_id: str, r: int, submission: str) -> bool:
+    """Whether ``claim`` reveals for round ``r`` of ``run_id`` on the sealed ``submission``."""
+    msg = claim.envelope.message
+    return (msg.run_id, msg.round, msg.submission_digest) == (run_id, r, submission)
 
 
 def step_from_file(run: RunContext, filtered: FilteredRound, aggregate: Any,

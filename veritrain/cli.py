@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import errno
 import json
 import logging
@@ -86,10 +87,13 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     except FileExistsError:
         raise SystemExit(f"{out} exists: keygen never overwrites a key; choose another "
                          "--out") from None
+    if args.inbox and args.role != "validator":
+        raise SystemExit("--inbox is a validator's: where workers hand it their reveal receipts")
+    public = dataclasses.replace(ident.public, inbox=args.inbox) if args.inbox else ident.public
     pub = out.with_name(out.name + ".pub.json")
-    pub.write_text(json.dumps({"role": args.role, **ident.public.to_json()}, indent=1) + "\n")
+    pub.write_text(json.dumps({"role": args.role, **public.to_json()}, indent=1) + "\n")
     print(f"wrote {out} (mode 0600) and {pub}")
-    print(json.dumps(ident.public.to_json()))
+    print(json.dumps(public.to_json()))
     return 0
 
 
@@ -149,7 +153,7 @@ def cmd_run_create(args: argparse.Namespace) -> int:
         data = _read_json(path, "validator identity")
         try:
             validators.append(PublicIdentity(data["ed25519"], data.get("bls"),
-                                             data.get("bls_pop")))
+                                             data.get("bls_pop"), data.get("inbox")))
         except (KeyError, TypeError, AttributeError):
             raise SystemExit(f"{path} is not a validator's .pub.json (no ed25519 key); "
                              "`veritrain keygen --role validator` writes one") from None
@@ -316,6 +320,7 @@ def cmd_validator(args: argparse.Namespace) -> int:
     config = ValidatorConfig(ledger_url=args.ledger, run_id=args.run, device=args.device,
                              retry_for=args.retry_for, shard_wait=args.shard_wait,
                              attack=args.attack, state_dir=state_dir,
+                             inbox_listen=args.inbox_listen,
                              stats_path=Path(args.stats) if args.stats else None)
     asyncio.run(ValidatorNode(config, identity).run(max_rounds=args.max_rounds))
     return 0
@@ -368,6 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "key with proof of possession) to OUT, plus OUT.pub.json for sharing.")
     k.add_argument("--role", choices=["worker", "validator", "organiser"], required=True)
     k.add_argument("--out", required=True, help="key file to create (never overwritten)")
+    k.add_argument("--inbox", metavar="URL",
+                   help="validators: the http(s) URL where workers hand this validator their "
+                   "reveal receipts past the ledger (written to OUT.pub.json, so the run spec "
+                   "names it; `veritrain validator` listens there)")
     k.set_defaults(func=cmd_keygen)
 
     run = sub.add_parser("run", help="organiser commands").add_subparsers(
@@ -558,6 +567,9 @@ def build_parser() -> argparse.ArgumentParser:
             n.add_argument("--shard-wait", type=float, default=120.0,
                            help="sharded runs: seconds to wait for the other validators' "
                            "shards before they are recomputed")
+            n.add_argument("--inbox-listen", metavar="HOST:PORT",
+                           help="where the reveal-receipt inbox listens, when not at the "
+                           "host and port of this validator's inbox URL in the run spec")
             n.add_argument("--attack", choices=["shard_shift"],
                            help="evaluation only: publish this validator's shard shifted "
                            "by 0.1%%, which the others must catch")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import dataclasses
 import json
 import secrets
 import shutil
@@ -40,7 +41,7 @@ from typing import Any
 
 from veritrain.ledger.audit import fetch_and_verify, format_report
 from veritrain.ledger.client import LedgerClient, publish_run
-from veritrain.local import LocalProcesses
+from veritrain.local import LocalProcesses, free_port
 from veritrain.protocol.identity import Identity, write_key_file
 from veritrain.protocol.messages import masked_withstands
 from veritrain.protocol.organiser import build_run
@@ -346,8 +347,11 @@ def run_demo(args: argparse.Namespace) -> int:
         plan = [("clean", {}), ("cheaters", attacks)]
         if args.no_clean_run:
             plan = plan[1:]
-        vpub = [ident.public for _, ident in validators]
         for label, run_attacks in plan:
+            # Each validator takes workers' reveal receipts at its own inbox (protocol.md
+            # 7.2), a fresh port per run: the last run's validators may still be exiting.
+            vpub = [dataclasses.replace(ident.public, inbox=f"http://127.0.0.1:{free_port()}")
+                    for _, ident in validators]
             run_id = f"demo-{label}"
             honest_only = [w for i, w in enumerate(workers) if i not in attacks]
             swarm = workers if run_attacks else honest_only

@@ -38,7 +38,7 @@ from veritrain.protocol.memory import release_free_memory
 from veritrain.protocol.messages import (
     Receipt,
     Registration,
-    RevealReceipt,
+    RunSpec,
     SpotReveal,
     Submission,
     open_signed,
@@ -49,12 +49,14 @@ from veritrain.protocol.receipts import (
     check_reveal_receipt,
     check_submission_receipt,
     open_receipt,
+    open_reveal_claim,
 )
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.tensors import hash_flat
 from veritrain.protocol.training import CommitPool
 
 from .beacon import round_inputs, verified_openings, verified_seed
+from .disputes import hand_to_validators
 from .evidence import EvidenceMissing, RoundEvidence, default_keep_every, file_sha256
 from .masked import SECAGG_ATTACKS, drawn_over_other_survivors, take_part
 from .round import ATTACKS, prepare_submission
@@ -317,6 +319,32 @@ def check_receipts_honoured(run: RunContext, receipts: list[Any], ledger_key: st
     return honoured
 
 
+#: Seconds between two tries to hand a round's claim to the inboxes that did not take it.
+HAND_RETRY_SECONDS = 5.0
+_next_hand: dict[tuple[str, int], float] = {}
+
+
+async def hand_claim(spec: RunSpec, state: WorkerState, r: int, ledger_key: str) -> None:
+    """Hand round ``r``'s kept reveal claim to every validator inbox that does not hold it
+    yet (workers/disputes.py), at most every ``HAND_RETRY_SECONDS``; which inboxes hold
+    it is kept beside the receipt, so a restart or an inbox that was down is caught up
+    until the round is settled."""
+    wire = state.claim(r)
+    inboxes = spec.validator_inboxes()
+    held = state.handed(r)
+    key = (str(state.dir), r)
+    if wire is None or held >= set(inboxes) or time.monotonic() < _next_hand.get(key, 0.0):
+        return
+    _next_hand[key] = time.monotonic() + HAND_RETRY_SECONDS
+    try:
+        claim = open_reveal_claim(wire, spec.run_id, ledger_key)
+    except RejectedInput as exc:
+        log.error("round %d: the kept reveal claim does not open: %s", r, exc)
+        return
+    answers = await hand_to_validators(spec, claim, skip=held)
+    state.record_handed(r, held | {k for k, a in answers.items() if a == "held"})
+
+
 async def answer_checks(client: LedgerClient, run: RunContext, identity: Identity,
                         state: WorkerState, ledger_key: str, *, device: str = "cpu") -> None:
     """Answer every pending round's checks; drop settled rounds.
@@ -340,7 +368,10 @@ async def answer_checks(client: LedgerClient, run: RunContext, identity: Identit
                                     (await client.get_json(f"{base}/results"))["results"])
             state.settle(r)
             continue
-        if state.revealed(r) or info["status"] == "open":
+        if state.revealed(r):
+            await hand_claim(spec, state, r, ledger_key)  # to inboxes that missed it
+            continue
+        if info["status"] == "open":
             continue
         store = state.evidence_store(r)
         if not store.has("submission"):  # a crash before the submission was kept
@@ -404,12 +435,17 @@ async def answer_checks(client: LedgerClient, run: RunContext, identity: Identit
             if exc.reason in ("reveal_late", "round_finalized", "not_challenged"):
                 state.record_reveal(r, {"refused": exc.reason, "detail": exc.detail})
             continue
-        receipt = open_signed(wire, RevealReceipt)
-        if (receipt.signer != ledger_key or receipt.message.reveal_digest != envelope.digest
-                or receipt.message.worker != me):
-            log.error("round %d: the reveal receipt is not the ledger's for this reveal", r)
+        try:
+            claim = open_reveal_claim({"envelope": envelope.to_wire(), "receipt": wire},
+                                      spec.run_id, ledger_key)
+        except RejectedInput as exc:
+            log.error("round %d: the reveal receipt is not the ledger's for this reveal in "
+                      "time: %s", r, exc)
             continue
         state.record_reveal(r, wire)
+        state.record_claim(r, claim.to_wire())
+        # Past the ledger: a validator holding the claim never judges this reveal missing.
+        await hand_claim(spec, state, r, ledger_key)
         release_free_memory()  # what building the reveal (and any replay) freed
         log.info("round %d: revealed %d bytes for segments %s and the payload binding "
                  "(%.1fs)", r, path.stat().st_size, segments, time.monotonic() - started)

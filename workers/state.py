@@ -93,6 +93,24 @@ class WorkerState:
         _atomic_write(self.dir / "receipts" / f"{r}.reveal.json",
                       json.dumps(receipt, sort_keys=True).encode())
 
+    def record_claim(self, r: int, claim: dict[str, Any]) -> None:
+        """Keep the reveal's claim (envelope and receipt) to hand to validator inboxes."""
+        _atomic_write(self.dir / "receipts" / f"{r}.claim.json",
+                      json.dumps(claim, sort_keys=True).encode())
+
+    def claim(self, r: int) -> dict[str, Any] | None:
+        path = self.dir / "receipts" / f"{r}.claim.json"
+        return json.loads(path.read_bytes()) if path.exists() else None
+
+    def record_handed(self, r: int, held_by: set[str]) -> None:
+        """The validators whose inboxes hold round ``r``'s claim."""
+        _atomic_write(self.dir / "receipts" / f"{r}.handed.json",
+                      json.dumps(sorted(held_by)).encode())
+
+    def handed(self, r: int) -> set[str]:
+        path = self.dir / "receipts" / f"{r}.handed.json"
+        return set(json.loads(path.read_bytes())) if path.exists() else set()
+
     def receipts(self, r: int) -> list[Any]:
         """The ledger's signed receipts kept for round ``r`` (submission, then reveal)."""
         out = []
