@@ -5,7 +5,7 @@
                                     [--batch 4] [--n-layer 12] [--n-embd 768] [--n-head 12]
                                     [--seq-len 128] [--keep-every N] [--ab-runs 3]
     .venv/bin/python bench/scale.py --validator-only-workers 8 [--steps 4] [--batch 4] ...
-    .venv/bin/python bench/scale.py --ab-only [--ab-runs 3] [--ab-threads 2]
+    .venv/bin/python bench/scale.py --ab-only [--ab-runs 3] [--ab-threads 2] [--device cuda]
 
 A real swarm at the ``scale`` reference size (charlm at GPT-2-small shape: 85.35M
 parameters by default; ``--n-layer``/``--n-embd``/``--n-head``/``--seq-len`` go bigger on
@@ -428,28 +428,39 @@ def report_validator_only(out: dict[str, Any], args: argparse.Namespace) -> str:
 # --- the worker's step against a plain step -------------------------------------------
 
 
-def plain_steps(run: RunContext, rows: torch.Tensor) -> list[float]:
-    """A plain PyTorch loop on the same model and rows: per-step seconds."""
-    model = run.task.make_model()
+def plain_steps(run: RunContext, rows: torch.Tensor, device: str = "cpu") -> list[float]:
+    """A plain PyTorch loop on the same model and rows, on ``device``, with the same
+    deterministic kernels the worker trains with: per-step seconds (on CUDA, from a
+    synchronized start to a synchronized end)."""
+    dev = torch.device(device)
+    model = run.task.make_model().to(dev)
     model.train()
     params = list(model.parameters())
     cfg = run.inner
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                             weight_decay=cfg.weight_decay, foreach=False, fused=False)
     out = []
-    with deterministic_mode(torch.device("cpu")):
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    with deterministic_mode(dev):
         for row in rows:
+            sync()
             start = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            run.task.loss(model, run.task.make_batch(run.dataset, row)).backward()
+            run.task.loss(model, run.task.make_batch(run.dataset, row, device=dev)).backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=False)
             opt.step()
+            sync()
             out.append(time.perf_counter() - start)
     return out
 
 
 def worker_steps(run: RunContext, identity: Identity, base: torch.Tensor, work: Path,
-                 pool: CommitPool, keep_every: int | None) -> list[float]:
+                 pool: CommitPool, keep_every: int | None, device: str = "cpu"
+                 ) -> list[float]:
     """What ``veritrain worker`` runs for a round (its on-disk evidence and hashing thread):
     per-step seconds."""
     store = DirStore(work / "ab-evidence")
@@ -457,28 +468,30 @@ def worker_steps(run: RunContext, identity: Identity, base: torch.Tensor, work: 
                              keep_every=keep_every or default_keep_every(run))
     clock = StepClock(lambda *_: None)
     prepare_submission(run, identity, 0, base, run.spec.genesis_model_hash,
-                       ErrorFeedback(run.numel), evidence=evidence, pool=pool, progress=clock)
+                       ErrorFeedback(run.numel), evidence=evidence, pool=pool, progress=clock,
+                       device=device)
     store.clear()
     return clock.durations
 
 
-def speed_ab(bundle: Any, work: Path, runs: int, threads: int, keep_every: int | None
-             ) -> dict[str, list[float]]:
+def speed_ab(bundle: Any, work: Path, runs: int, threads: int, keep_every: int | None,
+             device: str = "cpu") -> dict[str, list[float]]:
     torch.set_num_threads(threads)
     run = RunContext.build(bundle.signed.message, bundle.dataset)
     base = run.decode_model(bundle.genesis)
     identity = Identity.generate("worker")
     rows = run.assignment(0, identity.public_key.hex())
     out: dict[str, list[float]] = {"plain": [], "worker": []}
-    with CommitPool.for_device("cpu") as pool:  # what a worker node builds
+    with CommitPool.for_device(device) as pool:  # what a worker node builds
         for i in range(runs):
             for name in ("plain", "worker") if i % 2 == 0 else ("worker", "plain"):
                 # What earlier runs (and the swarm) left for the kernel to write back is
                 # written now, not during the next run's steps: each run pays for its own
                 # writes (a worker's land on disk while its round waits for the validator).
                 os.sync()
-                steps = (plain_steps(run, rows) if name == "plain"
-                         else worker_steps(run, identity, base, work, pool, keep_every))
+                steps = (plain_steps(run, rows, device) if name == "plain"
+                         else worker_steps(run, identity, base, work, pool, keep_every,
+                                           device))
                 out[name] += steps[1:]  # the first step warms up (and builds the model)
                 _log(f"  A/B {name} run {i}: median step {statistics.median(steps[1:]):.2f}s")
     return out
@@ -613,6 +626,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ab-threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--device", default="cpu",
+                        help="with --ab-only: the device both inner steps run on (cuda: the "
+                             "worker's hashing threads work beside the GPU)")
     parser.add_argument("--ab-only", action="store_true",
                         help="only the A/B of the inner step (no swarm): re-measure the speed "
                              "on a quiet machine")
@@ -631,13 +647,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.ab_only:
             bundle = build_run(Identity.generate("organiser"), "scale-run", scale_settings(args),
                                [Identity.generate("validator").public])
-            ab = speed_ab(bundle, work, args.ab_runs, args.ab_threads, args.keep_every)
+            ab = speed_ab(bundle, work, args.ab_runs, args.ab_threads, args.keep_every,
+                          args.device)
             plain, ours = statistics.median(ab["plain"]), statistics.median(ab["worker"])
             numel = bundle.signed.message.num_params
-            print(f"\ninner step, {args.ab_threads} thread(s), batch {args.batch}x{args.seq_len}: "
-                  f"plain median {plain:.2f}s, the worker's {ours:.2f}s ({len(ab['plain'])} "
-                  f"steps each): overhead {1e9 * (ours - plain) / numel:.1f} ns/param/step")
-            print(f"scale_ab: params={numel} worker_speed_vs_plain={plain / ours:.3f}")
+            print(f"\ninner step on {args.device}, {args.ab_threads} thread(s), batch "
+                  f"{args.batch}x{args.seq_len}: plain median {plain:.3f}s, the worker's "
+                  f"{ours:.3f}s ({len(ab['plain'])} steps each): overhead "
+                  f"{1e9 * (ours - plain) / numel:.2f} ns/param/step")
+            print(f"scale_ab: device={args.device} params={numel} "
+                  f"worker_speed_vs_plain={plain / ours:.3f}")
             return 0
         swarm = run_swarm(args, work)
         _log(f"swarm done in {time.monotonic() - started:.0f}s; A/B of the inner step")
