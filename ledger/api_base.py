@@ -67,6 +67,7 @@ STATUS_BY_REASON = {
     "wrong_bucket": 403,
     "not_challenged": 403,
     "reveal_late": 409,
+    "blob_sealed": 409,
     "wrong_submission": 409,
     "pruned": 410,
 }

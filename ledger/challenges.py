@@ -25,6 +25,7 @@ from veritrain.protocol.challenges import (
 from veritrain.protocol.encoding import decode_canonical, encode_canonical
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.messages import RunSpec, Signed, SpotReveal, Submission, open_signed
+from veritrain.protocol.schedule import RoundStatus
 from veritrain.protocol.secagg import PHASES
 
 from . import schema as t
@@ -98,6 +99,14 @@ def check_reveal_allowed(s: Session, signed: Signed[SpotReveal], now: float
     if msg.reveal_bytes > row.max_bytes:
         raise RejectedInput(f"a reveal of these checks is at most {row.max_bytes} bytes",
                             "oversized")
+    blob = s.get(t.Blob, msg.reveal_hash)
+    if blob is not None and blob.sealed_round is not None and blob.run_id is not None:
+        sealed_in = s.get(t.Round, (blob.run_id, blob.sealed_round))
+        if sealed_in is not None and sealed_in.status == RoundStatus.OPEN.value:
+            # Receipted, a file nobody may fetch yet could not be served, and validators
+            # holding the receipt would certify nothing (protocol.md 7.5 step 3).
+            raise RejectedInput("the reveal file is a submission payload still sealed in "
+                                "an open round", "blob_sealed")
     return None
 
 

@@ -1003,16 +1003,9 @@ class LedgerStore:
             stored = check_reveal_allowed(s, signed, now)
             if stored is not None:
                 return open_signed(decode_canonical(stored.receipt), RevealReceipt)
-            blob = s.get(t.Blob, digest)
-            if blob is None:
+            if s.get(t.Blob, digest) is None:
                 s.add(t.Blob(sha256=digest, size=size, kind="reveal", run_id=msg.run_id,
                              sealed_round=None, created_at=now))
-            elif blob.sealed_round is not None:
-                # A file stored as a payload (sealed until its round closes) is no reveal:
-                # receipted, it could not be served, and validators holding the receipt
-                # would certify nothing (protocol.md 7.5 step 3).
-                raise RejectedInput("the reveal file is stored already as a submission "
-                                    "payload", "duplicate")
             ev = self._append(s, msg.run_id, "spot_reveal", signed.encode())
             rnd = self._round(s, msg.run_id, msg.round)
             receipt = sign(self.identity, RevealReceipt(

@@ -327,8 +327,7 @@ def test_a_reveal_file_that_is_a_sealed_payload_is_refused_and_nothing_stored(tm
 
     refused, other_round, sent, listed = run_api(tmp_path, scenario)
     assert other_round == "open"
-    assert refused[0] == 409 and refused[1]["reason"] == "duplicate", refused
-    assert "sealed" in refused[1]["detail"] or "payload" in refused[1]["detail"]
+    assert refused[0] == 409 and refused[1]["reason"] == "blob_sealed", refused
     assert sent == len(workers) and listed["complete"]
 
 

@@ -189,9 +189,9 @@ class ValidatorNode:
         #: The reveal receipts workers handed this validator (validators/inbox.py); None
         #: until the run is known, and for a validator the spec names no inbox for.
         self.inbox: ReceiptInbox | None = None
-        #: When this node saw each round's beacon fixed, having waited for it (its own
-        #: clock): the reveal deadline the ledger states cannot be earlier than that plus
-        #: ``reveal_seconds`` (less the clock slack), ``gather_reveals``.
+        #: The last moment (this node's clock) it asked for each round's beacon and was
+        #: told it was not fixed yet: the reveal deadline the ledger states cannot be
+        #: earlier than that plus ``reveal_seconds`` (less the clock slack).
         self.beacon_seen: dict[int, float] = {}
 
     async def run(self, *, max_rounds: int | None = None) -> None:
@@ -344,13 +344,15 @@ class ValidatorNode:
         share = BeaconShare(run_id=run_id, round=r, validator=self.me,
                             share=self.identity.sign_bls(beacon_root(run_id, r)).hex(),
                             sealed=digest, participants=participants)
+        asked = time.time()
         reply = await client.post_message(f"{base}/beacon", sign(self.identity, share).to_wire())
-        waited = reply["beacon"] is None
+        unfixed_at = asked if reply["beacon"] is None else None
         while reply["beacon"] is None:
             await asyncio.sleep(self.config.poll_seconds)
+            asked = time.time()
             reply = await client.get_json(f"{base}/beacon")
-        if waited:
-            self.beacon_seen.setdefault(r, time.time())
+            unfixed_at = asked if reply["beacon"] is None else unfixed_at
+        self._saw_unfixed(r, unfixed_at)
         # The seed picks the spot checks and the masked buckets: checked, not taken on trust.
         try:
             return await asyncio.to_thread(
@@ -360,6 +362,13 @@ class ValidatorNode:
         except RejectedInput as exc:
             raise RejectedInput(f"the ledger's beacon does not verify: {exc}",
                                 "invalid_beacon") from exc
+
+    def _saw_unfixed(self, r: int, asked_at: float | None) -> None:
+        """Keep the latest moment (this node's clock) at which a request was sent that the
+        ledger answered with round ``r``'s beacon not yet fixed: the beacon was fixed
+        after it, however slow the answers were (``gather_reveals``' ``not_before``)."""
+        if asked_at is not None:
+            self.beacon_seen[r] = max(self.beacon_seen.get(r, asked_at), asked_at)
 
     async def run_dkg(self, client: LedgerClient, spec: RunSpec) -> dkg.DkgResult:
         """Take part in the run's DKG over the ledger's board (validators/dkg.py): each
@@ -482,16 +491,18 @@ class ValidatorNode:
         assert self.dkg_result is not None
         wire = (self.dkg_node.partial_post(r, sealed, participants)
                 if self.dkg_node is not None else None)
+        asked = time.time()
         if wire is not None:
             reply = await client.post_message(f"{base}/partials", wire)
         else:
             reply = await client.get_json(f"{base}/partials")
-        waited = reply["beacon"] is None
+        unfixed_at = asked if reply["beacon"] is None else None
         while reply["beacon"] is None:
             await asyncio.sleep(self.config.poll_seconds)
+            asked = time.time()
             reply = await client.get_json(f"{base}/partials")
-        if waited:
-            self.beacon_seen.setdefault(r, time.time())
+            unfixed_at = asked if reply["beacon"] is None else unfixed_at
+        self._saw_unfixed(r, unfixed_at)
         try:
             return await asyncio.to_thread(
                 functools.partial(dkg.verify_threshold_beacon, self.dkg_result.group_key,
@@ -528,9 +539,23 @@ class ValidatorNode:
         path = f"/v1/runs/{spec.run_id}/rounds/{r}/challenges"
         expected = set(due) & set(submitted)
 
-        def complete(view: dict[str, Any]) -> bool:  # by this node's draw, not the board's
-            return expected <= {c["worker"] for c in view["challenges"]
-                                if isinstance(c, dict) and c.get("reveal") is not None}
+        checked: dict[str, bool] = {}  # a listed reveal's signature -> it counts
+
+        def counts(c: Any) -> bool:
+            if not isinstance(c, dict) or not isinstance(c.get("reveal"), dict):
+                return False
+            key = json.dumps(c["reveal"], sort_keys=True)
+            if key not in checked:
+                try:
+                    claim = open_reveal_claim(c["reveal"], spec.run_id, ledger_key)
+                    checked[key] = claim.worker == c.get("worker") and _claim_names(
+                        claim, spec.run_id, r, submitted.get(claim.worker, ""))
+                except RejectedInput:
+                    checked[key] = False
+            return checked[key]
+
+        def complete(view: dict[str, Any]) -> bool:  # by this node's draw and checks
+            return expected <= {c["worker"] for c in view["challenges"] if counts(c)}
 
         def passed(view: dict[str, Any]) -> bool:
             if not view["fixed"]:
@@ -544,6 +569,7 @@ class ValidatorNode:
                     "early_deadline")
             return view["now"] >= deadline and time.time() >= deadline
 
+        ledger_key = (await client.get_json("/v1/ledger"))["ledger_key"]
         view = await client.get_json(path)
         while not complete(view) and not passed(view):
             await asyncio.sleep(self.config.poll_seconds)
@@ -556,7 +582,6 @@ class ValidatorNode:
         # answers with the receipt, so an honest board read now lists every claim held.
         handed = self.inbox.held(r) if self.inbox is not None else {}
         view = await client.get_json(path)
-        ledger_key = (await client.get_json("/v1/ledger"))["ledger_key"]
         policy = ChallengePolicy.of_run(spec)
         listed = {c["worker"]: c["reveal"] for c in view["challenges"]
                   if isinstance(c, dict) and c.get("reveal") is not None}

@@ -56,6 +56,7 @@ from veritrain.protocol.memory import release_free_memory
 from veritrain.protocol.outer import OuterState, encode_update, outer_step
 from veritrain.protocol.runtime import RunContext
 from veritrain.protocol.scoring import compute_scores, split_rewards
+from veritrain.protocol.training import torch_threads
 
 from .checks import Candidate, admit, group_by_worker, norm_outliers
 from .probe import loss_regressions, probe_gains, probe_rows
@@ -459,7 +460,10 @@ def conclude_round(run: RunContext, filtered: FilteredRound, stepped: OuterStepp
     by_worker, checks = filtered.by_worker, filtered.checks
     accepted = filtered.accepted
     quality = stepped.quality
-    eval_loss = run.evaluate(stepped.new_flat, device=CERTIFIED_DEVICE)
+    # The run's thread count too: the loss is certified, and a CPU reduction may round
+    # differently with another number of threads.
+    with torch_threads(int(spec.verification.get("recompute_threads", 1))):
+        eval_loss = run.evaluate(stepped.new_flat, device=CERTIFIED_DEVICE)
 
     for worker in accepted:
         c = by_worker[worker]

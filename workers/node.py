@@ -56,7 +56,7 @@ from veritrain.protocol.tensors import hash_flat
 from veritrain.protocol.training import CommitPool
 
 from .beacon import round_inputs, verified_openings, verified_seed
-from .disputes import hand_to_validators
+from .disputes import HAND_TIMEOUT_SECONDS, hand_to_validators
 from .evidence import EvidenceMissing, RoundEvidence, default_keep_every, file_sha256
 from .masked import SECAGG_ATTACKS, drawn_over_other_survivors, take_part
 from .round import ATTACKS, prepare_submission
@@ -172,6 +172,7 @@ class WorkerNode:
                 if overview["status"] != "active" and not state.pending_rounds():
                     break
                 await asyncio.sleep(self.config.poll_seconds)
+            await finish_handing()
             self.write_stats()
             return submitted
 
@@ -345,6 +346,34 @@ async def hand_claim(spec: RunSpec, state: WorkerState, r: int, ledger_key: str)
     state.record_handed(r, held | {k for k, a in answers.items() if a == "held"})
 
 
+_handing: dict[tuple[str, int], asyncio.Task[None]] = {}
+
+
+def start_handing(spec: RunSpec, state: WorkerState, r: int, ledger_key: str) -> None:
+    """``hand_claim`` in the background, one at a time per round: an inbox that is slow
+    or silent (up to ``HAND_TIMEOUT_SECONDS``) never holds up the worker's loop."""
+    key = (str(state.dir), r)
+    task = _handing.get(key)
+    if task is None or task.done():
+        _handing[key] = asyncio.get_running_loop().create_task(
+            hand_claim(spec, state, r, ledger_key))
+
+
+async def finish_handing(timeout: float = HAND_TIMEOUT_SECONDS + 1.0) -> None:
+    """Let the claims being handed finish (before the worker exits)."""
+    pending = [t for t in _handing.values() if not t.done()]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout)
+
+
+def settle(state: WorkerState, r: int) -> None:
+    """Round ``r`` is settled: its evidence goes, and so does the bookkeeping of handing
+    its claim."""
+    state.settle(r)
+    _handing.pop((str(state.dir), r), None)
+    _next_hand.pop((str(state.dir), r), None)
+
+
 async def answer_checks(client: LedgerClient, run: RunContext, identity: Identity,
                         state: WorkerState, ledger_key: str, *, device: str = "cpu") -> None:
     """Answer every pending round's checks; drop settled rounds.
@@ -361,21 +390,21 @@ async def answer_checks(client: LedgerClient, run: RunContext, identity: Identit
         if info["status"] == "voided":  # no certificate could come: no verdicts, no pay
             log.warning("round %d was voided (its validators reached no quorum); its "
                         "submission earns nothing", r)
-            state.settle(r)
+            settle(state, r)
             continue
         if info["status"] == "finalized":
             check_receipts_honoured(run, state.receipts(r), ledger_key, info,
                                     (await client.get_json(f"{base}/results"))["results"])
-            state.settle(r)
+            settle(state, r)
             continue
         if state.revealed(r):
-            await hand_claim(spec, state, r, ledger_key)  # to inboxes that missed it
+            start_handing(spec, state, r, ledger_key)  # to inboxes that missed it
             continue
         if info["status"] == "open":
             continue
         store = state.evidence_store(r)
         if not store.has("submission"):  # a crash before the submission was kept
-            state.settle(r)
+            settle(state, r)
             continue
         beacon = await client.get_json(f"{base}/beacon")
         if beacon["beacon"] is None:
@@ -432,7 +461,8 @@ async def answer_checks(client: LedgerClient, run: RunContext, identity: Identit
                 ("reveal", path, "application/octet-stream")], kind="verification")
         except LedgerRefused as exc:
             log.warning("round %d: reveal refused (%s): %s", r, exc.reason, exc.detail)
-            if exc.reason in ("reveal_late", "round_finalized", "not_challenged"):
+            if exc.reason in ("reveal_late", "round_finalized", "not_challenged",
+                              "blob_sealed"):
                 state.record_reveal(r, {"refused": exc.reason, "detail": exc.detail})
             continue
         try:
@@ -442,10 +472,10 @@ async def answer_checks(client: LedgerClient, run: RunContext, identity: Identit
             log.error("round %d: the reveal receipt is not the ledger's for this reveal in "
                       "time: %s", r, exc)
             continue
+        state.record_claim(r, claim.to_wire())  # first: a revealed round always has it
         state.record_reveal(r, wire)
-        state.record_claim(r, claim.to_wire())
         # Past the ledger: a validator holding the claim never judges this reveal missing.
-        await hand_claim(spec, state, r, ledger_key)
+        start_handing(spec, state, r, ledger_key)
         release_free_memory()  # what building the reveal (and any replay) freed
         log.info("round %d: revealed %d bytes for segments %s and the payload binding "
                  "(%.1fs)", r, path.stat().st_size, segments, time.monotonic() - started)
