@@ -531,9 +531,9 @@ class ValidatorNode:
         reads it back when asked for: one reveal in memory at a time.
 
         The deadline is the ledger's, but the wait ends only once this node's clock has
-        passed it too, and ``not_before`` (when this node saw the beacon fixed, plus
-        ``reveal_seconds``, less the clock slack) bounds it: an earlier one is the
-        ledger cutting workers short, ``early_deadline``.
+        passed it too, and ``not_before`` (the last moment the ledger told this node the
+        beacon was not fixed, plus ``reveal_seconds``, less the clock slack) bounds it:
+        an earlier one is the ledger cutting workers short, ``early_deadline``.
         """
         spec = run.spec
         path = f"/v1/runs/{spec.run_id}/rounds/{r}/challenges"
