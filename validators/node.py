@@ -74,7 +74,7 @@ from veritrain.protocol.openings import (
 from veritrain.protocol.outer import OuterState
 from veritrain.protocol.receipts import RevealClaim, open_reveal_claim
 from veritrain.protocol.runtime import RunContext
-from veritrain.protocol.secagg import check_dealt, words_file_bytes
+from veritrain.protocol.secagg import PHASES, check_dealt, words_file_bytes
 from veritrain.protocol.tensors import ParamShapes, _header, all_finite, sha256_hex, split_flat
 
 from .checks import Candidate
@@ -193,6 +193,8 @@ class ValidatorNode:
         #: told it was not fixed yet: the reveal deadline the ledger states cannot be
         #: earlier than that plus ``reveal_seconds`` (less the clock slack).
         self.beacon_seen: dict[int, float] = {}
+        #: Likewise for a masked round's openings seed (``openings_seed``).
+        self.openings_unfixed: dict[int, float] = {}
 
     async def run(self, *, max_rounds: int | None = None) -> None:
         async with LedgerClient(self.config.ledger_url, retry_for=self.config.retry_for) as client:
@@ -825,10 +827,15 @@ class ValidatorNode:
                     [b["assigned"] for b in view["buckets"]])  # the view it unmasks, too
         opened = compute_challenges(checks_seed, sorted(c.worker for c in candidates),
                                     ChallengePolicy.of_run(spec), buckets=survivor_sets)
+        unfixed = self.openings_unfixed.get(r)
+        board = (len(PHASES) - PHASES.index("masked") - 1) * masked["phase_seconds"]
         reveals = await self.gather_reveals(
             client, run, r, {c.worker: c.signed.digest for c in candidates},
             None if scratch is None else BlobFiles(scratch / "reveals"),
-            due=due_reveals(spec, opened))
+            due=due_reveals(spec, opened),
+            not_before=None if unfixed is None else (
+                unfixed + board + spec.verification["reveal_seconds"]
+                - self.config.clock_slack_seconds))
         challenges = await client.get_json(f"/v1/runs/{spec.run_id}/rounds/{r}/challenges")
         survivors = {w for b in view["buckets"] if b["live"] for w in b["survivors"] or ()}
         waiting = {w for w, segments in opened.items() if segments} & survivors
@@ -864,12 +871,23 @@ class ValidatorNode:
         sign this node's own digest of the posts that check out (once per round, whatever
         the ledger shows later), post the share, and check the fixed seed against that
         same digest. ``invalid_openings`` when it does not verify; a round finalized or
-        voided meanwhile ends the wait (``round_finalized``)."""
-        view = await client.get_json(path)
+        voided meanwhile ends the wait (``round_finalized``). The last moment the board
+        showed no seed yet is kept (``openings_unfixed``): the reveal deadline the ledger
+        fixes with the seed cannot be earlier than that plus the board's later phases and
+        ``reveal_seconds``."""
+
+        async def read() -> dict[str, Any]:
+            asked = time.time()
+            seen = await client.get_json(path)
+            if seen["openings"]["fixed"] is None:
+                self.openings_unfixed[r] = max(self.openings_unfixed.get(r, asked), asked)
+            return seen
+
+        view = await read()
         while view["openings"]["masked"] is None and view["openings"]["fixed"] is None:
             await self._round_still_open(client, spec, r)
             await asyncio.sleep(self.config.poll_seconds)
-            view = await client.get_json(path)
+            view = await read()
         faults: list[str] = []
         inputs = verified_inputs(spec.run_id, r, view, faults)
         self.skipped_posts.extend({"kind": "secagg_masked", "round": r, "fault": f}
@@ -902,7 +920,7 @@ class ValidatorNode:
         while view["openings"]["fixed"] is None:
             await self._round_still_open(client, spec, r)
             await asyncio.sleep(self.config.poll_seconds)
-            view = await client.get_json(path)
+            view = await read()
         try:
             seed = await asyncio.to_thread(
                 verify_openings, spec.validators, spec.quorum, group_key, spec.run_id, r,
