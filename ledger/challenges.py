@@ -100,14 +100,21 @@ def check_reveal_allowed(s: Session, signed: Signed[SpotReveal], now: float
         raise RejectedInput(f"a reveal of these checks is at most {row.max_bytes} bytes",
                             "oversized")
     blob = s.get(t.Blob, msg.reveal_hash)
-    if blob is not None and blob.sealed_round is not None and blob.run_id is not None:
-        sealed_in = s.get(t.Round, (blob.run_id, blob.sealed_round))
-        if sealed_in is not None and sealed_in.status == RoundStatus.OPEN.value:
-            # Receipted, a file nobody may fetch yet could not be served, and validators
-            # holding the receipt would certify nothing (protocol.md 7.5 step 3).
-            raise RejectedInput("the reveal file is a submission payload still sealed in "
-                                "an open round", "blob_sealed")
+    if blob is not None and still_sealed(s, blob):
+        # Receipted, a file nobody may fetch yet could not be served, and validators
+        # holding the receipt would certify nothing (protocol.md 7.5 step 3).
+        raise RejectedInput("the reveal file is a submission payload still sealed in "
+                            "an open round", "blob_sealed")
     return None
+
+
+def still_sealed(s: Session, blob: t.Blob) -> bool:
+    """Whether ``blob`` is a payload whose round is still open: nobody may fetch it yet,
+    so nobody can copy it."""
+    if blob.sealed_round is None or blob.run_id is None:
+        return False
+    rnd = s.get(t.Round, (blob.run_id, blob.sealed_round))
+    return rnd is None or rnd.status == RoundStatus.OPEN.value
 
 
 def challenges_view(s: Session, run_id: str, r: int, now: float) -> dict[str, Any]:
@@ -139,4 +146,4 @@ def challenges_view(s: Session, run_id: str, r: int, now: float) -> dict[str, An
 
 
 __all__ = ["NotChallenged", "RevealLate", "challenges_view", "check_reveal_allowed",
-           "fix_challenges"]
+           "fix_challenges", "still_sealed"]

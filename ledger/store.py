@@ -60,7 +60,7 @@ from . import schema as t
 from .admission import BlsVerifier
 from .blobs import BlobStore, StagedBlob
 from .chain import GENESIS_HASH, compute_event_hash
-from .challenges import check_reveal_allowed, fix_challenges
+from .challenges import check_reveal_allowed, fix_challenges, still_sealed
 from .checkpoints import Checkpointer, chain_head, note_append
 from .penalties import apply_worker_penalties, record_validator_faults
 
@@ -300,10 +300,7 @@ class LedgerStore:
             blob = s.get(t.Blob, digest)
             if blob is None:
                 raise NotFound(f"no blob {digest}")
-            if blob.sealed_round is None or blob.run_id is None:
-                return True
-            rnd = s.get(t.Round, (blob.run_id, blob.sealed_round))
-            return rnd is not None and rnd.status != RoundStatus.OPEN.value
+            return not still_sealed(s, blob)
 
     # ----------------------------------------------------------------- participants
 

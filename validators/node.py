@@ -20,7 +20,7 @@ import logging
 import math
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -346,15 +346,9 @@ class ValidatorNode:
         share = BeaconShare(run_id=run_id, round=r, validator=self.me,
                             share=self.identity.sign_bls(beacon_root(run_id, r)).hex(),
                             sealed=digest, participants=participants)
-        asked = time.time()
-        reply = await client.post_message(f"{base}/beacon", sign(self.identity, share).to_wire())
-        unfixed_at = asked if reply["beacon"] is None else None
-        while reply["beacon"] is None:
-            await asyncio.sleep(self.config.poll_seconds)
-            asked = time.time()
-            reply = await client.get_json(f"{base}/beacon")
-            unfixed_at = asked if reply["beacon"] is None else unfixed_at
-        self._saw_unfixed(r, unfixed_at)
+        reply = await self._until_fixed(
+            r, lambda: client.post_message(f"{base}/beacon", sign(self.identity, share).to_wire()),
+            lambda: client.get_json(f"{base}/beacon"))
         # The seed picks the spot checks and the masked buckets: checked, not taken on trust.
         try:
             return await asyncio.to_thread(
@@ -365,12 +359,20 @@ class ValidatorNode:
             raise RejectedInput(f"the ledger's beacon does not verify: {exc}",
                                 "invalid_beacon") from exc
 
-    def _saw_unfixed(self, r: int, asked_at: float | None) -> None:
-        """Keep the latest moment (this node's clock) at which a request was sent that the
-        ledger answered with round ``r``'s beacon not yet fixed: the beacon was fixed
-        after it, however slow the answers were (``gather_reveals``' ``not_before``)."""
-        if asked_at is not None:
-            self.beacon_seen[r] = max(self.beacon_seen.get(r, asked_at), asked_at)
+    async def _until_fixed(self, r: int, first: Callable[[], Awaitable[dict[str, Any]]],
+                           again: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """``first()``, then ``again()`` every poll until the reply's beacon is fixed. The
+        moment (this node's clock) the last request answered "not fixed" was sent is kept
+        in ``beacon_seen``: the beacon was fixed after it, however slow the answers were
+        (``gather_reveals``' ``not_before``)."""
+        asked = time.time()
+        reply = await first()
+        while reply["beacon"] is None:
+            self.beacon_seen[r] = max(self.beacon_seen.get(r, asked), asked)
+            await asyncio.sleep(self.config.poll_seconds)
+            asked = time.time()
+            reply = await again()
+        return reply
 
     async def run_dkg(self, client: LedgerClient, spec: RunSpec) -> dkg.DkgResult:
         """Take part in the run's DKG over the ledger's board (validators/dkg.py): each
@@ -493,18 +495,12 @@ class ValidatorNode:
         assert self.dkg_result is not None
         wire = (self.dkg_node.partial_post(r, sealed, participants)
                 if self.dkg_node is not None else None)
-        asked = time.time()
-        if wire is not None:
-            reply = await client.post_message(f"{base}/partials", wire)
-        else:
-            reply = await client.get_json(f"{base}/partials")
-        unfixed_at = asked if reply["beacon"] is None else None
-        while reply["beacon"] is None:
-            await asyncio.sleep(self.config.poll_seconds)
-            asked = time.time()
-            reply = await client.get_json(f"{base}/partials")
-            unfixed_at = asked if reply["beacon"] is None else unfixed_at
-        self._saw_unfixed(r, unfixed_at)
+        def poll() -> Awaitable[dict[str, Any]]:
+            return client.get_json(f"{base}/partials")
+
+        reply = await self._until_fixed(
+            r, poll if wire is None else lambda: client.post_message(f"{base}/partials", wire),
+            poll)
         try:
             return await asyncio.to_thread(
                 functools.partial(dkg.verify_threshold_beacon, self.dkg_result.group_key,
@@ -541,19 +537,16 @@ class ValidatorNode:
         path = f"/v1/runs/{spec.run_id}/rounds/{r}/challenges"
         expected = set(due) & set(submitted)
 
-        checked: dict[str, bool] = {}  # a listed reveal's signature -> it counts
+        checked: dict[str, bool] = {}  # a listed reveal -> whether it counts
 
         def counts(c: Any) -> bool:
-            if not isinstance(c, dict) or not isinstance(c.get("reveal"), dict):
+            if not isinstance(c, dict) or c.get("worker") not in expected:
                 return False
-            key = json.dumps(c["reveal"], sort_keys=True)
+            key = json.dumps(c.get("reveal"), sort_keys=True)
             if key not in checked:
-                try:
-                    claim = open_reveal_claim(c["reveal"], spec.run_id, ledger_key)
-                    checked[key] = claim.worker == c.get("worker") and _claim_names(
-                        claim, spec.run_id, r, submitted.get(claim.worker, ""))
-                except RejectedInput:
-                    checked[key] = False
+                checked[key] = self._counted_claim(
+                    spec, r, c["worker"], submitted[c["worker"]], c.get("reveal"),
+                    ledger_key, quiet=True) is not None
             return checked[key]
 
         def complete(view: dict[str, Any]) -> bool:  # by this node's draw and checks
@@ -646,21 +639,24 @@ class ValidatorNode:
                 "board never listed it; not certifying it missing", "withheld_reveal")
 
     def _counted_claim(self, spec: RunSpec, r: int, worker: str, submission: str,
-                       listed: Any, ledger_key: str) -> RevealClaim | None:
+                       listed: Any, ledger_key: str, *, quiet: bool = False
+                       ) -> RevealClaim | None:
         """The board's reveal of ``worker`` if it counts (``open_reveal_claim``, naming its
-        sealed submission in this round); None, with why logged, otherwise."""
+        sealed submission in this round); None otherwise, with why logged unless
+        ``quiet``."""
         if listed is None:
             return None
         try:
             claim = open_reveal_claim(listed, spec.run_id, ledger_key)
         except RejectedInput as exc:
-            log.warning("round %d: reveal of %s unusable: %s", r, worker[:12], exc)
-            return None
-        if claim.worker != worker or not _claim_names(claim, spec.run_id, r, submission):
-            log.warning("round %d: reveal listed for %s is not its worker's for this round's "
-                        "sealed submission", r, worker[:12])
-            return None
-        return claim
+            why = f"unusable: {exc}"
+        else:
+            if claim.worker == worker and _claim_names(claim, spec.run_id, r, submission):
+                return claim
+            why = "not its worker's for this round's sealed submission"
+        if not quiet:
+            log.warning("round %d: reveal listed for %s %s", r, worker[:12], why)
+        return None
 
     async def validate_round(self, client: LedgerClient, run: RunContext,
                              info: dict[str, Any]) -> RoundOutcome:
