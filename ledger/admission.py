@@ -1,7 +1,7 @@
 """What a request may cost the ledger before it is authorized (specs/threat-model.md).
 
-* :class:`BlsVerifier`: BLS verifications (proofs of possession, beacon shares, result
-  attestations) computed once per exact input and remembered, so a resent spec, share or
+* :class:`BlsVerifier`: BLS verifications (proofs of possession, beacon shares and
+  partials, openings and shard check shares, result attestations) computed once per exact input and remembered, so a resent spec, share or
   result costs a dictionary lookup; the server runs the first computation on a thread of
   its own, after every cheap check passed, so the single writer only finds it cached.
 * :class:`RejectionBudget`: how many refusals of one run, reason and hour become rows
@@ -17,6 +17,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from veritrain.protocol import bls
+
+#: ``bls.verify``'s shape: (public key, message, signature) -> whether it verifies.
+BlsVerify = Callable[[bytes, bytes, bytes], bool]
 
 
 class BlsVerifier:

@@ -417,6 +417,8 @@ async def post_shard_check_share(request: web.Request) -> web.Response:
     signed = open_signed(await read_message(request), ShardCheckShare)
     if await _board_resend(request, ledger, "shard", "check_share", signed):
         return web.json_response({"already": True})  # its BLS share is not verified again
+    if not await ledger.verify(ledger.store.shard_check_share_verifies, signed):
+        raise RejectedInput("shard check share does not verify", "bad_signature")
     return web.json_response(await ledger.write(ledger.store.post_shard_check_share, signed))
 
 
@@ -480,6 +482,8 @@ async def post_openings_share(request: web.Request) -> web.Response:
     once the masked inputs are committed, over the board's own inputs digest only."""
     ledger = request.app[LEDGER]
     signed = open_signed(await read_message(request), OpeningsShare)
+    if not await ledger.verify(ledger.store.openings_share_verifies, signed):
+        raise RejectedInput("the openings share does not verify", "bad_signature")
     return web.json_response(await ledger.write(ledger.store.post_openings_share, signed),
                              status=201)
 

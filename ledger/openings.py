@@ -27,6 +27,7 @@ from veritrain.protocol.openings import (
 )
 
 from . import schema as t
+from .admission import BlsVerify
 from .secagg import Board, PhaseClosed, RoundFinalized
 
 SHARE, FIXED = "openings_share", "openings_fixed"
@@ -59,12 +60,12 @@ def state(board: Board) -> dict[str, Any]:
             "fixed": fixed}
 
 
-def accept_share(s: Session, spec: RunSpec, rnd: t.Round, idx: int,
-                 signed: Signed[OpeningsShare], public_key: str, now: float,
-                 group: bool) -> tuple[dict[str, Any], bool, dict[str, Any] | None]:
-    """Store validator ``idx``'s share (``public_key``: its public key share in a
-    threshold run, ``group`` True, else its BLS key); fix the seed at the first quorum.
-    Returns (reply, new, the fixed record when this share fixed it)."""
+def check_share(s: Session, spec: RunSpec, rnd: t.Round, signed: Signed[OpeningsShare],
+                now: float) -> tuple[Board, list[list[Any]], dict[str, Any] | None]:
+    """A share's cheap checks (round not finalized, masked inputs committed, over the
+    board's own inputs digest, no other share of its validator): raises the refusal;
+    returns (the board, its committed inputs, the board's state for an exact resend else
+    None)."""
     msg = signed.message
     if rnd.finalized_at is not None:
         raise RoundFinalized(f"round {rnd.round} is finalized")
@@ -77,15 +78,32 @@ def accept_share(s: Session, spec: RunSpec, rnd: t.Round, idx: int,
     if msg.masked != digest:
         raise WrongMasked(f"the share signs masked inputs {msg.masked[:12]}, the board's are "
                           f"{digest[:12]}")
-    sender = signed.signer
     for row in board.extra:
-        if row.kind == SHARE and row.sender == sender:
+        if row.kind == SHARE and row.sender == signed.signer:
             if row.digest == signed.digest:
-                return state(board), False, None
-            raise RejectedInput(f"validator {idx} already posted another openings share",
-                                "duplicate")
-    if not bls.verify(bytes.fromhex(public_key), openings_root(spec.run_id, rnd.round, digest),
-                      bytes.fromhex(msg.share)):
+                return board, inputs, state(board)
+            raise RejectedInput(f"validator {msg.validator[:12]} already posted another "
+                                "openings share", "duplicate")
+    return board, inputs, None
+
+
+def accept_share(s: Session, spec: RunSpec, rnd: t.Round, idx: int,
+                 signed: Signed[OpeningsShare], public_key: str, now: float,
+                 group: bool, verify: BlsVerify = bls.verify
+                 ) -> tuple[dict[str, Any], bool, dict[str, Any] | None]:
+    """Store validator ``idx``'s share (``public_key``: its public key share in a
+    threshold run, ``group`` True, else its BLS key) once :func:`check_share` passed;
+    fix the seed at the first quorum. ``verify`` is ``bls.verify`` or a cache of it (the
+    store's, filled off the writer thread). Returns (reply, new, the fixed record when
+    this share fixed it)."""
+    msg = signed.message
+    board, inputs, resent = check_share(s, spec, rnd, signed, now)
+    if resent is not None:
+        return resent, False, None
+    digest = inputs_digest(inputs)
+    sender = signed.signer
+    if not verify(bytes.fromhex(public_key), openings_root(spec.run_id, rnd.round, digest),
+                  bytes.fromhex(msg.share)):
         raise RejectedInput(f"validator {idx}'s openings share does not verify", "bad_signature")
     row = t.SecaggMessage(run_id=spec.run_id, round=rnd.round, kind=SHARE, sender=sender,
                           bucket=-1, digest=signed.digest, body=signed.encode(),

@@ -34,6 +34,7 @@ from veritrain.protocol.messages import (
 )
 
 from . import schema as t
+from .admission import BlsVerify
 
 LEDGER_INDEX = -1
 #: What a proven shard fault costs its publisher: its attestation of that round does not
@@ -118,30 +119,43 @@ def accept_result(s: Session, spec: RunSpec, idx: int, rnd: t.Round,
     return {"shard": idx, "result_digest": msg.result_digest, "already": False}, True, []
 
 
-def accept_check_share(s: Session, spec: RunSpec, idx: int, rnd: t.Round,
-                       signed: Signed[ShardCheckShare], now: float) -> Accepted:
-    """Store a BLS check share; its events say which list and seed it fixed."""
-    msg = signed.message
+def check_share_list(s: Session, spec: RunSpec, rnd: t.Round,
+                     msg: ShardCheckShare) -> dict[str, Any] | None:
+    """A check share's cheap checks: a sharded round, one result per shard, signing the
+    fixed list (or, before one is fixed, the published results). Raises the refusal;
+    returns the fixed list's record, None while none is fixed."""
     _sharded_round(spec, rnd, "shard check share")
     if len(msg.results) != spec.shards:
         raise RejectedInput(f"{len(msg.results)} results for {spec.shards} shards", "malformed")
-    if not bls.verify(bytes.fromhex(spec.validators[idx]["bls"]),
-                      shard_check_root(spec.run_id, rnd.round, msg.results),
-                      bytes.fromhex(msg.share)):
-        raise RejectedInput("shard check share does not verify", "bad_signature")
-    events: list[dict[str, Any]] = []
     fixed = _fixed(s, spec.run_id, rnd.round, "list_fixed")
     if fixed is None:
         stored = published_results(s, spec, rnd.round)
         if msg.results != stored:
             raise ShardListFixed(
                 f"the share signs {msg.results}, but the published results are {stored}")
-        fixed = {"results": stored}
+    elif msg.results != fixed["results"]:
+        raise ShardListFixed(f"the fixed list is {fixed['results']}")
+    return fixed
+
+
+def accept_check_share(s: Session, spec: RunSpec, idx: int, rnd: t.Round,
+                       signed: Signed[ShardCheckShare], now: float,
+                       verify: BlsVerify = bls.verify) -> Accepted:
+    """Store a BLS check share once :func:`check_share_list` passed; its events say which
+    list and seed it fixed. ``verify`` is ``bls.verify`` or a cache of it (the store's,
+    filled off the writer thread)."""
+    msg = signed.message
+    fixed = check_share_list(s, spec, rnd, msg)
+    if not verify(bytes.fromhex(spec.validators[idx]["bls"]),
+                  shard_check_root(spec.run_id, rnd.round, msg.results),
+                  bytes.fromhex(msg.share)):
+        raise RejectedInput("shard check share does not verify", "bad_signature")
+    events: list[dict[str, Any]] = []
+    if fixed is None:
+        fixed = {"results": msg.results}
         _add(s, spec.run_id, rnd.round, "list_fixed", LEDGER_INDEX, LEDGER_INDEX, "",
              encode_canonical(fixed), now)
         events.append({"kind": "shard_list_fixed", "round": rnd.round, **fixed})
-    elif msg.results != fixed["results"]:
-        raise ShardListFixed(f"the fixed list is {fixed['results']}")
     shares = _rows(s, spec.run_id, rnd.round, "check_share")
     new = idx not in {row.validator_index for row in shares}
     if new:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from sqlalchemy import create_engine, event, func, select
@@ -26,6 +27,7 @@ from veritrain.protocol.beacon import (
     participant_exclusions,
     participants_digest,
     sealed_list_digest,
+    shard_check_root,
 )
 from veritrain.protocol.board import open_member_post
 from veritrain.protocol.encoding import decode_canonical, encode_canonical
@@ -50,7 +52,7 @@ from veritrain.protocol.messages import (
     open_signed,
     sign,
 )
-from veritrain.protocol.openings import survivor_buckets
+from veritrain.protocol.openings import openings_root, survivor_buckets
 from veritrain.protocol.rules import SubmissionContext, check_submission
 from veritrain.protocol.schedule import Action, RoundStatus, RoundView, next_action, void_reason
 
@@ -895,9 +897,24 @@ class LedgerStore:
             s.delete(blob)
             return True
 
+    def shard_check_share_verifies(self, signed: Signed[ShardCheckShare]) -> bool:
+        """The check share's BLS signature (one pairing, cached), once every cheap check
+        passed (they raise their refusal here): run on the verifier thread before the
+        write, which then finds it cached."""
+        msg = signed.message
+        with self.sessions() as s:
+            spec = self.get_spec(s, msg.run_id)
+            idx, rnd = self._closed_round_for_validator(s, spec, signed.signer, msg.validator,
+                                                        msg.round, "shard check share")
+            shards.check_share_list(s, spec, rnd, msg)
+        return self.bls.verify(bytes.fromhex(spec.validators[idx]["bls"]),
+                               shard_check_root(msg.run_id, msg.round, msg.results),
+                               bytes.fromhex(msg.share))
+
     def post_shard_check_share(self, signed: Signed[ShardCheckShare]) -> dict[str, Any]:
         """A BLS share over the published results; the first fixes the list, a quorum the seed."""
-        return self._shard_post(signed, "shard check share", shards.accept_check_share,
+        return self._shard_post(signed, "shard check share",
+                                partial(shards.accept_check_share, verify=self.bls.verify),
                                 "shard_check_share")
 
     def post_shard_finding(self, signed: Signed[ShardFindingReport]) -> dict[str, Any]:
@@ -942,26 +959,47 @@ class LedgerStore:
         board = secagg.Board(s, spec, r, self.clock())
         return {**board.view(bucket), "openings": openings.state(board)}
 
+    def _openings_share_key(self, s: Session, signed: Signed[OpeningsShare]
+                            ) -> tuple[RunSpec, int, t.Round, str]:
+        """(spec, validator index, round, the BLS key the share verifies under: the
+        validator's key share in a threshold run, else its own key); the share's cheap
+        refusals (not masked, not a validator's, round not closed, no group key yet)."""
+        msg = signed.message
+        spec = self.get_spec(s, msg.run_id)
+        if spec.masked is None:
+            raise RejectedInput(f"run {spec.run_id} does not mask its updates", "not_masked")
+        idx, rnd = self._closed_round_for_validator(s, spec, signed.signer, msg.validator,
+                                                    msg.round, "openings share")
+        if not spec.threshold_beacon:
+            return spec, idx, rnd, spec.validators[idx]["bls"]
+        group = dkg_board.group_result(s, msg.run_id)
+        if group is None:
+            raise WrongState("the run's DKG has not fixed a group key yet")
+        return spec, idx, rnd, group.public_shares[idx]
+
+    def openings_share_verifies(self, signed: Signed[OpeningsShare]) -> bool:
+        """The openings share's BLS signature (one pairing, cached), once every cheap check
+        passed (they raise their refusal here): run on the verifier thread before the
+        write, which then finds it cached. True for an exact resend (answered by the write
+        with no cryptography)."""
+        msg = signed.message
+        with self.sessions() as s:
+            spec, _, rnd, key = self._openings_share_key(s, signed)
+            if openings.check_share(s, spec, rnd, signed, self.clock())[2] is not None:
+                return True
+        return self.bls.verify(bytes.fromhex(key), openings_root(msg.run_id, msg.round, msg.masked),
+                               bytes.fromhex(msg.share))
+
     def post_openings_share(self, signed: Signed[OpeningsShare]) -> dict[str, Any]:
         """A validator's share of a masked round's openings seed (ledger/openings.py); the
         share that makes a quorum fixes the seed (``openings_fixed``) and, from it, the
         round's checks (``challenges_fixed``)."""
         msg = signed.message
         with self.sessions.begin() as s:
-            spec = self.get_spec(s, msg.run_id)
-            if spec.masked is None:
-                raise RejectedInput(f"run {spec.run_id} does not mask its updates", "not_masked")
-            idx, rnd = self._closed_round_for_validator(s, spec, signed.signer, msg.validator,
-                                                        msg.round, "openings share")
-            if spec.threshold_beacon:
-                group = dkg_board.group_result(s, msg.run_id)
-                if group is None:
-                    raise WrongState("the run's DKG has not fixed a group key yet")
-                key = group.public_shares[idx]
-            else:
-                key = spec.validators[idx]["bls"]
+            spec, idx, rnd, key = self._openings_share_key(s, signed)
             reply, _, fixed = openings.accept_share(s, spec, rnd, idx, signed, key,
-                                                      self.clock(), spec.threshold_beacon)
+                                                      self.clock(), spec.threshold_beacon,
+                                                      self.bls.verify)
             if fixed is not None:  # shares are kept, not chained: the record verifies alone
                 self._ledger_event(s, msg.run_id, "openings_fixed",
                                    {"run_id": msg.run_id, **fixed})

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 import time
 from typing import Any
 
@@ -28,6 +29,7 @@ from ledger_harness import Api, key_rate_limited, replay_from, run_api
 from veritrain.ledger import schema as t
 from veritrain.ledger.audit import fetch_events, verify_events
 from veritrain.ledger.client import LedgerClient
+from veritrain.protocol import bls
 from veritrain.protocol.beacon import (
     EVERY_WORKER_ADMITTED,
     beacon_root,
@@ -472,9 +474,19 @@ async def post_share(api: Api, v: Identity, digest: str, *, signed_over: str | N
     return await api.post_json(f"{BOARD}/openings", sign(v, share).to_wire())
 
 
-def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url):
+def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url, monkeypatch):
     run = masked_run(spot_checks=2)
     ids = [Identity.generate("worker") for _ in range(6)]
+    # Where each openings share's pairing runs: never on the single writer, where it would
+    # hold up every board post behind it past its phase's deadline.
+    pairing_threads: list[str] = []
+    real_verify = bls.verify
+
+    def recording_verify(pub: bytes, message: bytes, signature: bytes) -> bool:
+        pairing_threads.append(threading.current_thread().name)
+        return real_verify(pub, message, signature)
+
+    monkeypatch.setattr(bls, "verify", recording_verify)
 
     async def scenario(api: Api) -> dict[str, Any]:
         out: dict[str, Any] = {"closes": []}
@@ -645,6 +657,10 @@ def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url):
     assert len(b0["posts"]["keys"]) == 3
     assert {p["body"]["worker"] for p in b0["posts"]["keys"]} == set(out["buckets"][0])
     assert refused(out["late_reveal"], 409, "duplicate")
+    # The bad share, the two shares that fixed the seed and the early one (valid over its
+    # own digest), each computed once, off the writer; the writer found them cached.
+    assert sum(n.startswith("ledger-verify") for n in pairing_threads) >= 3
+    assert [n for n in pairing_threads if n.startswith("ledger-writer")] == []
     assert out["chained"].count("secagg_keys") == 6
     assert out["chained"].count("secagg_opening") == 2
     assert out["chained"].count("secagg_masked_input") == 6

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import threading
 
 from fakes import make_fake_run, make_submission
 from ledger_backends import make_fixture
@@ -101,6 +102,16 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypat
     v0, v1, v2 = run.validators
     worker = Identity.generate("worker")
     base = f"/v1/runs/{RUN}/rounds/0/shards"
+    # Where each check share's pairing runs: never on the single writer, where it would
+    # hold up every other post behind it.
+    pairing_threads: list[str] = []
+    real_verify = bls.verify
+
+    def recording_verify(pub: bytes, message: bytes, signature: bytes) -> bool:
+        pairing_threads.append(threading.current_thread().name)
+        return real_verify(pub, message, signature)
+
+    monkeypatch.setattr(bls, "verify", recording_verify)
 
     async def post_result(api: Api, signer: Identity, pub: ShardPublication, blob: bytes):
         return await api.post_parts(base, [("publication", sign(signer, pub).encode()),
@@ -183,6 +194,8 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypat
     assert code["size_lie"] == 400
     assert (code["stale_share"], reason["stale_share"]) == (409, "shard_list_fixed")
     assert (code["forged"], reason["forged"]) == (401, "bad_signature")
+    assert sum(n.startswith("ledger-verify") for n in pairing_threads) >= 4  # 4 check shares
+    assert [n for n in pairing_threads if n.startswith("ledger-writer")] == []
     assert code["early_finding"] == 409
     assert out["fixing"][1]["check"] is None and out["fixing"][1]["results"][0] is not None
     assert (code["late"], reason["late"]) == (409, "shard_list_fixed")
