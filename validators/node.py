@@ -343,8 +343,8 @@ class ValidatorNode:
         digest = sealed_list_digest_of(sealed)
         if spec.threshold_beacon:
             return await self.threshold_beacon_seed(client, spec, r, digest, participants)
-        share = BeaconShare(run_id=run_id, round=r, validator=self.me,
-                            share=self.identity.sign_bls(beacon_root(run_id, r)).hex(),
+        signed_root = await asyncio.to_thread(self.identity.sign_bls, beacon_root(run_id, r))
+        share = BeaconShare(run_id=run_id, round=r, validator=self.me, share=signed_root.hex(),
                             sealed=digest, participants=participants)
         reply = await self._until_fixed(
             r, lambda: client.post_message(f"{base}/beacon", sign(self.identity, share).to_wire()),
@@ -493,7 +493,7 @@ class ValidatorNode:
         if self.dkg_result is None:
             await self.run_dkg(client, spec)
         assert self.dkg_result is not None
-        wire = (self.dkg_node.partial_post(r, sealed, participants)
+        wire = (await asyncio.to_thread(self.dkg_node.partial_post, r, sealed, participants)
                 if self.dkg_node is not None else None)
         def poll() -> Awaitable[dict[str, Any]]:
             return client.get_json(f"{base}/partials")
@@ -782,7 +782,8 @@ class ValidatorNode:
             run_id=spec.run_id, round=r, validator=self.me,
             base_model_hash=info["base_model_hash"], beacon_seed=seed.hex(),
             verdicts=outcome.verdicts, scores=outcome.scores, certified=certified.to_body(),
-            attestation=self.identity.sign_bls(certified.signing_root()).hex())
+            attestation=(await asyncio.to_thread(self.identity.sign_bls,
+                                                 certified.signing_root())).hex())
         reply = await client.post_multipart(
             f"/v1/runs/{spec.run_id}/rounds/{r}/results",
             [("result", sign(self.identity, result).encode(), "application/json"),
@@ -898,9 +899,10 @@ class ValidatorNode:
             assert self.dkg_result is not None
             group_key = self.dkg_result.group_key
             held = self.dkg_node.share if self.dkg_node is not None else None
-            share = None if held is None else dkg.partial_sign(held, root)
+            share = None if held is None else await asyncio.to_thread(dkg.partial_sign, held,
+                                                                      root)
         else:
-            share = self.identity.sign_bls(root)
+            share = await asyncio.to_thread(self.identity.sign_bls, root)
         if share is not None and view["openings"]["fixed"] is None:
             self.signed_once.claim("openings", spec.run_id, r, digest)
             post = OpeningsShare(run_id=spec.run_id, round=r, validator=self.me,

@@ -642,10 +642,11 @@ class ShardedRound:
                 return view
             await asyncio.sleep(self.poll_seconds)
         self.once.claim("shard_check", spec.run_id, r, list_digest(results))
-        share = ShardCheckShare(
-            run_id=spec.run_id, round=r, validator=self.identity.public_key.hex(),
-            results=results,
-            share=self.identity.sign_bls(shard_check_root(spec.run_id, r, results)).hex())
+        signed_root = await asyncio.to_thread(self.identity.sign_bls,
+                                              shard_check_root(spec.run_id, r, results))
+        share = ShardCheckShare(run_id=spec.run_id, round=r,
+                                validator=self.identity.public_key.hex(), results=results,
+                                share=signed_root.hex())
         try:
             await self.client.post_message(path + "/check", sign(self.identity, share).to_wire())
         except LedgerRefused as exc:
