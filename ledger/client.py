@@ -318,6 +318,35 @@ async def fetch_participants(client: LedgerClient, run_id: str, *, page: int = 1
     return rows
 
 
+async def fetch_membership(client: LedgerClient, run_id: str, *, page: int = 1000
+                           ) -> dict[str, Any]:
+    """``GET /v1/runs/{run}/membership`` with every row, page by page (``page`` rows a
+    request, following ``next_after``): the last page's policy and first unclosed round,
+    the rows of all pages in chain order. RejectedInput ``malformed`` for a page that
+    is not a list of rows after the one asked for, or whose next page goes backwards."""
+    rows: list[dict[str, Any]] = []
+    after: int | None = -1
+    served: dict[str, Any] = {}
+    while after is not None:
+        served = await client.get_json(
+            f"/v1/runs/{run_id}/membership?after={after}&limit={page}")
+        got = served.get("rows") if isinstance(served, dict) else None
+        if not isinstance(got, list):
+            raise RejectedInput("the membership page holds no list of rows", "malformed")
+        for row in got:
+            seq = row.get("seq") if isinstance(row, dict) else None
+            if type(seq) is not int or seq <= (rows[-1]["seq"] if rows else after):
+                raise RejectedInput("the membership rows are not in chain order after the "
+                                    "page asked for", "malformed")
+            rows.append(row)
+        nxt = served.get("next_after")
+        if nxt is not None and (type(nxt) is not int or not got or nxt != got[-1]["seq"]):
+            raise RejectedInput("the membership list's next page does not follow its last "
+                                "row", "malformed")
+        after = nxt
+    return {**served, "rows": rows}
+
+
 async def last_certified_model(client: LedgerClient, run_id: str, *, max_model_bytes: int
                                ) -> tuple[RunSpec, bytes, CertifiedState]:
     """The newest model a quorum of ``run_id``'s validators certified: its certificate

@@ -50,10 +50,11 @@ def first_unclosed_round(s: Session, run_id: str) -> int:
     return row.round if row.status == RoundStatus.OPEN.value else row.round + 1
 
 
-def _rows(s: Session, run_id: str) -> list[t.Event]:
-    return list(s.execute(select(t.Event).where(
-        t.Event.run_id == run_id, t.Event.kind.in_(MEMBERSHIP_KINDS)).order_by(t.Event.seq)
-    ).scalars())
+def _rows(s: Session, run_id: str, after: int = -1, limit: int | None = None
+          ) -> list[t.Event]:
+    query = select(t.Event).where(t.Event.run_id == run_id, t.Event.seq > after,
+                                  t.Event.kind.in_(MEMBERSHIP_KINDS)).order_by(t.Event.seq)
+    return list(s.execute(query if limit is None else query.limit(limit)).scalars())
 
 
 def state_of(s: Session, spec: RunSpec) -> Membership:
@@ -141,11 +142,13 @@ def apply_slashes(s: Session, spec: RunSpec, r: int, verdicts: list[dict[str, An
                                  v["submission_digest"], amount, balance))
 
 
-def rows_served(s: Session, run_id: str) -> list[dict[str, Any]]:
-    """The run's membership rows as validators and auditors fold them: ``seq``, ``kind``
-    and ``body`` (the signed wire of a message, the record of a slash)."""
+def rows_served(s: Session, run_id: str, after: int = -1, limit: int | None = None
+                ) -> list[dict[str, Any]]:
+    """The run's membership rows as validators and auditors fold them, in chain order:
+    ``seq``, ``kind`` and ``body`` (the signed wire of a message, the record of a slash);
+    those with ``seq`` > ``after``, at most ``limit`` of them (all when None)."""
     out = []
-    for row in _rows(s, run_id):
+    for row in _rows(s, run_id, after, limit):
         body = decode_canonical(bytes(row.body))
         if row.kind == SLASH:
             body = {k: v for k, v in body.items() if k != "kind"} | {"kind": SLASH}

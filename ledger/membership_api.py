@@ -13,7 +13,8 @@ from veritrain.protocol.membership import MEMBERSHIP_MESSAGES, SIGNER_FIELD
 from veritrain.protocol.messages import open_signed
 
 from . import membership
-from .api_base import LEDGER, read_message, replayed, set_signer
+from .api_base import LEDGER, int_param, read_message, replayed, set_signer
+from .queries import MAX_PAGE
 
 routes = web.RouteTableDef()
 
@@ -41,17 +42,25 @@ async def post_membership(request: web.Request) -> web.Response:
     return web.json_response(await ledger.write(ledger.store.post_membership, signed))
 
 
-def _rows(s: Session, store: Any, run_id: str) -> dict[str, Any]:
+def _page(s: Session, store: Any, run_id: str, after: int, limit: int) -> dict[str, Any]:
     spec = store.get_spec(s, run_id)
+    rows = membership.rows_served(s, run_id, after, limit + 1)
+    more = len(rows) > limit
+    rows = rows[:limit]
     return {"run_id": run_id, "admission": spec.admission or {"policy": "open"},
             "first_unclosed_round": membership.first_unclosed_round(s, run_id),
-            "rows": membership.rows_served(s, run_id)}
+            "rows": rows, "next_after": rows[-1]["seq"] if more else None}
 
 
 @routes.get("/v1/runs/{run_id}/membership")
 async def get_membership(request: web.Request) -> web.Response:
-    """The run's policy and every membership row (``seq``, ``kind``, ``body``)."""
+    """The run's policy and its membership rows (``seq``, ``kind``, ``body``) in chain
+    order, paged: those with ``seq`` > ``after`` (default -1), at most ``limit`` (<= 1000,
+    the default), and ``next_after`` (null on the last page)."""
     ledger = request.app[LEDGER]
     store = ledger.store
+    after = int_param(request, "after", -1)
+    limit = int_param(request, "limit", MAX_PAGE)
+    assert after is not None and limit is not None
     return web.json_response(await ledger.read(
-        lambda s: _rows(s, store, request.match_info["run_id"])))
+        _page, store, request.match_info["run_id"], max(-1, after), max(1, min(limit, MAX_PAGE))))

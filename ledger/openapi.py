@@ -163,10 +163,14 @@ def _paths() -> dict[str, Any]:
                 "participant": STR, "role": STR, "registered_round": INT, "new": BOOL})),
                 **problems(401, 404, 413)}, json_body("signed Registration"), tag="write")},
         run + "/membership": {
-            "get": op("the admission policy and every membership row (tickets, revocations, "
-                      "bond deposits and withdrawals, slashes)", [RUN],
+            "get": op("the admission policy and the membership rows (tickets, revocations, "
+                      "bond deposits and withdrawals, slashes) after seq, in chain order",
+                      [RUN, q("after", {"type": "integer", "minimum": -1, "maximum": 10**12},
+                              "last seq already read (default -1)"),
+                       q("limit", {"type": "integer", "minimum": 1, "maximum": 1000}, "rows")],
                       {**ok(obj({"run_id": STR, "admission": OBJ,
-                                 "first_unclosed_round": INT, "rows": arr(OBJ)})),
+                                 "first_unclosed_round": INT, "rows": arr(OBJ),
+                                 "next_after": nullable(INT)})),
                        **problems(404)}),
             "post": op("post a signed admission ticket, revocation, bond deposit or "
                        "withdrawal (idempotent)", [RUN], {**ok(obj({

@@ -5,6 +5,7 @@ and names a ledger-invented admission or a wrong slash."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import sqlite3
@@ -24,6 +25,7 @@ from ledger_scenarios import (
 from veritrain.ledger import schema as t
 from veritrain.ledger.audit import verify_events
 from veritrain.ledger.chain import ChainRow
+from veritrain.ledger.client import LedgerClient, fetch_membership
 from veritrain.protocol.encoding import decode_canonical, encode_canonical
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.identity import Identity
@@ -213,6 +215,60 @@ def test_registration_over_http_says_why_and_the_rows_are_served(tmp_path):
     assert posted[0] == 200 and accepted[0] == 200 and accepted[1]["new"]
     assert served[1]["admission"] == {"policy": "allowlist"}
     assert [r["kind"] for r in served[1]["rows"]] == ["admission_ticket"]
+
+
+def test_membership_rows_are_served_in_pages_and_fetched_whole(tmp_path):
+    """Five tickets (interleaved with registrations, which are not membership rows): pages
+    of two follow ``next_after`` in chain order, the last page says null, and
+    ``fetch_membership`` assembles exactly the unpaged list; a page that goes backwards
+    or skips past its last row is refused."""
+    run = quick_run("paged-adm", admission={"policy": "allowlist"})
+    org = run.organiser
+    workers = [Identity.generate("worker") for _ in range(5)]
+
+    async def scenario(api):
+        assert (await api.create_run(run))[0] == 201
+        for w in workers:
+            ticket = sign(org, AdmissionTicket("paged-adm", 0, org.public_key.hex(),
+                                               w.public_key.hex(), 5, 1))
+            assert (await api.post_json("/v1/runs/paged-adm/membership",
+                                        ticket.to_wire()))[0] == 200
+            assert (await api.register(run, w))[0] == 200
+        whole = (await api.get("/v1/runs/paged-adm/membership"))[1]
+        pages, after = [], -1
+        while after is not None:
+            page = (await api.get(f"/v1/runs/paged-adm/membership?after={after}&limit=2"))[1]
+            pages.append(page)
+            after = page["next_after"]
+        bad = await api.get("/v1/runs/paged-adm/membership?after=x")
+        async with LedgerClient(api.url) as client:
+            fetched = await fetch_membership(client, "paged-adm", page=2)
+        return whole, pages, bad, fetched
+
+    whole, pages, bad, fetched = run_api(tmp_path, scenario)
+    seqs = [r["seq"] for r in whole["rows"]]
+    assert len(seqs) == 5 and seqs == sorted(seqs) and whole["next_after"] is None
+    assert [len(p["rows"]) for p in pages] == [2, 2, 1]
+    assert [p["next_after"] for p in pages] == [seqs[1], seqs[3], None]
+    assert [r for p in pages for r in p["rows"]] == whole["rows"]
+    assert fetched["rows"] == whole["rows"] and fetched["admission"] == {"policy": "allowlist"}
+    assert bad[0] == 400
+
+    class Served:
+        def __init__(self, replies):
+            self.replies = iter(replies)
+
+        async def get_json(self, path):
+            return next(self.replies)
+
+    row = whole["rows"]
+    backwards = [{"rows": row[2:4], "next_after": row[3]["seq"]},
+                 {"rows": row[1:2], "next_after": None}]
+    skipping = [{"rows": row[:2], "next_after": row[3]["seq"]}]
+    for replies in (backwards, skipping, [{"rows": "none"}]):
+        with pytest.raises(RejectedInput, match="membership") as caught:
+            asyncio.run(fetch_membership(Served(replies), "paged-adm"))
+        assert caught.value.reason == "malformed"
 
 
 def test_a_copied_membership_row_does_not_spend_the_organisers_budget(tmp_path):

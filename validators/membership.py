@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from veritrain.ledger.client import fetch_participants
+from veritrain.ledger.client import fetch_membership, fetch_participants
 from veritrain.protocol.beacon import bans_round
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.membership import AdmissionPolicy, fold_rows
@@ -38,7 +38,7 @@ async def admitted_workers(client: Any, spec: RunSpec, r: int, registered: set[s
     the ``open`` policy)."""
     if AdmissionPolicy.of_run(spec).open:
         return registered
-    served = await client.get_json(f"/v1/runs/{spec.run_id}/membership")
+    served = await fetch_membership(client, spec.run_id)
     faults: list[str] = []
     admitted = admitted_of(spec, r, registered, served, faults)
     for fault in faults:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from veritrain.ledger.client import LedgerClient, fetch_run
+from veritrain.ledger.client import LedgerClient, fetch_membership, fetch_run
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.membership import (
     AdmissionPolicy,
@@ -53,7 +53,7 @@ def worker_key(value: str, option: str = "--worker") -> str:
 async def _run_and_rows(client: LedgerClient, run_id: str | None
                         ) -> tuple[RunSpec, dict[str, Any]]:
     spec = await fetch_run(client, run_id, wait_for=0.0)
-    served = await client.get_json(f"/v1/runs/{spec.run_id}/membership")
+    served = await fetch_membership(client, spec.run_id)
     return spec, served
 
 
