@@ -984,7 +984,11 @@ def is_failed_check(status: str, reason: str, checks: Any) -> bool:
 
 
 def _failed_workers(rnd: RoundState) -> set[str]:
-    assert rnd.certified is not None
+    """The workers whose certified verdict in ``rnd`` is evidence (none in a voided round:
+    nothing was certified, nobody was judged)."""
+    if rnd.certified is None:
+        assert rnd.voided
+        return set()
     return {v["worker"] for v in rnd.certified.lists()[0]
             if is_failed_check(v["status"], v["reason"], v.get("checks"))}
 
@@ -993,8 +997,8 @@ def audit_pruned(state: AuditState, pruned: Iterable[dict[str, Any]]) -> tuple[i
     """specs/protocol.md 9.7: the blobs the ledger lists as deleted by its retention policy
     (``GET /v1/runs/{run}/pruned``), against the rows, after the pass. None may be a file
     the policy keeps forever: the dataset, the genesis model, the latest certified model
-    and its outer state, the base of a round not finalized, a reveal file of a round not
-    finalized, or the evidence of a failed check (the failing worker's reveal file, the
+    and its outer state, the base of a round not settled (finalized or voided), a reveal
+    file of a round not settled, or the evidence of a failed check (the failing worker's reveal file, the
     base model and outer state of its round). Returns how many blobs and bytes are gone;
     raises :class:`Bad` naming the first that should not be."""
     spec = get_spec(state)
@@ -1031,14 +1035,14 @@ def audit_pruned(state: AuditState, pruned: Iterable[dict[str, Any]]) -> tuple[i
             raise Bad(f"{where} is {never[digest]}, which is never pruned")
         if digest in reveal_of:
             rnd, worker = reveal_of[digest]
-            if rnd.certified is None:
-                raise Bad(f"{where} is a reveal file of round {rnd.index}, not finalized")
+            if rnd.certified is None and not rnd.voided:
+                raise Bad(f"{where} is a reveal file of round {rnd.index}, not settled")
             if worker in failed_in(rnd):
                 raise Bad(f"{where} is the reveal file of worker {worker[:16]} in round "
                           f"{rnd.index}, whose check failed: evidence is never pruned")
         for rnd in base_of.get(digest, ()):
-            if rnd.certified is None:
-                raise Bad(f"{where} is the base of round {rnd.index}, not finalized")
+            if rnd.certified is None and not rnd.voided:
+                raise Bad(f"{where} is the base of round {rnd.index}, not settled")
             if failed_in(rnd):
                 raise Bad(f"{where} is the base of round {rnd.index}, whose failed check "
                           "it is the evidence of: evidence is never pruned")

@@ -4,7 +4,8 @@
 The chain and every hash in it stay forever. What goes are the big files nobody needs
 once a round is old: the reveal files of its spot checks (tens to hundreds of MB each at
 GPT-2 size) and the models and outer states it superseded. A round's files may go once
-it is finalized and ``audit_window`` more rounds of its run have been finalized after it.
+it is finalized (or voided) and ``audit_window`` more rounds of its run have been
+finalized after it.
 
 Kept forever: the dataset and the genesis model; the current base model and the latest
 certified model with their outer states (workers joining need them); everything of a round
@@ -208,10 +209,13 @@ def _failed(status: str, reason: str, checks: str) -> bool:
 
 
 def round_files(s: Session, run_id: str, after: int, through: int) -> list[RoundFiles]:
-    """The files of run ``run_id``'s finalized rounds ``after < r <= through``."""
+    """The files of run ``run_id``'s settled rounds ``after < r <= through``: finalized,
+    or voided (no certificate: every result's model and outer state is uncertified, and
+    no verdict is evidence of anything)."""
     rounds = s.execute(select(t.Round).where(
         t.Round.run_id == run_id, t.Round.round > after, t.Round.round <= through,
-        t.Round.status == RoundStatus.FINALIZED.value).order_by(t.Round.round)).scalars().all()
+        t.Round.status.in_((RoundStatus.FINALIZED.value, RoundStatus.VOIDED.value)))
+        .order_by(t.Round.round)).scalars().all()
     if not rounds:
         return []
     reveals: dict[int, dict[str, str]] = {}
@@ -228,7 +232,8 @@ def round_files(s: Session, run_id: str, after: int, through: int) -> list[Round
             (t.Verdict.status == "rejected") | t.Verdict.spot_checked)):
         if _failed(status, reason, checks):
             failed.setdefault(r, set()).add(worker)
-    certified_digest = {rnd.round: digest_of(_certified(rnd)) for rnd in rounds}
+    certified_digest = {rnd.round: digest_of(_certified(rnd)) for rnd in rounds
+                        if rnd.certificate is not None}
     uncertified: dict[int, list[tuple[str, str]]] = {}
     for r, digest, body in s.execute(select(
             t.RoundResultRow.round, t.RoundResultRow.certified_digest, t.RoundResultRow.body)

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from fakes import FakeRun
 from ledger_backends import make_fixture
-from ledger_harness import Api, run_api
+from ledger_harness import Api, post_result, post_share, run_api, verdict
 from ledger_scenarios import (
     HONEST,
     SPOT_FAIL,
@@ -34,7 +34,7 @@ from ledger_scenarios import (
     quick_run,
 )
 from veritrain.ledger import migrate
-from veritrain.ledger.audit import fetch_and_verify, format_result
+from veritrain.ledger.audit import fetch_and_verify, fetch_events, format_result
 from veritrain.ledger.blobs import BlobPruned
 from veritrain.ledger.client import LedgerClient
 from veritrain.ledger.retention import (
@@ -44,6 +44,7 @@ from veritrain.ledger.retention import (
     run_candidates,
 )
 from veritrain.ledger.server import PRUNER
+from veritrain.ledger.verify import verify_log
 from veritrain.protocol.beacon import beacon_seed_of, sealed_list_digest
 from veritrain.protocol.identity import Identity
 from veritrain.protocol.messages import SpotReveal, sign
@@ -594,3 +595,91 @@ def test_a_file_a_round_of_another_run_still_needs_is_kept(tmp_path):
     pruned = {d for d, *_ in pruned_rows(tmp_path)}
     assert pruned == {d for d, *_ in expected_pruned(played, 2)} - {shared}
     assert on_disk(tmp_path, shared)
+
+
+def test_a_voided_round_s_files_go_once_out_of_the_window(tmp_path):
+    """Round 1's three validators certify three different states: it is voided, and no
+    certificate will ever take its results' models, outer states or its reveal files.
+    Once the window has passed it (window 1: rounds 2 and 3 finalized after it), they
+    are recorded and deleted like a finalized round's; the updates and payloads stay,
+    and the audit passes and counts them."""
+    run = quick_run("void-run", n_validators=3, quorum=2)
+    worker = Identity.generate("worker")
+    w = worker.public_key.hex()
+    validators = run.validators
+    models: dict[int, list[bytes]] = {0: [b"M0"] * 2, 1: [b"M-a", b"M-b", b"M-c"],
+                                      2: [b"M2"] * 2, 3: [b"M3"] * 2}
+    path = "/v1/runs/void-run/rounds"
+
+    async def scenario(api: Api) -> dict[str, Any]:
+        assert (await api.create_run(run))[0] == 201
+        assert (await api.register(run, worker))[0] == 200
+        base, reveals, statuses = run.spec.genesis_model_hash, {}, {}
+        for r in range(4):
+            payload = f"payload {r}".encode()
+            sub = synthetic_submission(run, worker, payload, round_index=r, base=base)
+            assert (await api.submit(sub, payload))[0] == 201
+            for _ in range(600):
+                if (await api.get(f"{path}/{r}"))[1]["status"] == "closed":
+                    break
+                await asyncio.sleep(0.02)
+            fixed = None
+            for v in validators[:2]:
+                fixed = (await post_share(api, run, v, r))["beacon"]
+            for c in (await api.get(f"{path}/{r}/challenges"))[1]["challenges"]:
+                if c["due"]:
+                    data = reveal_data(r, w)
+                    envelope = SpotReveal(run_id="void-run", round=r, worker=w,
+                                          submission_digest=sub.digest,
+                                          reveal_hash=hashlib.sha256(data).hexdigest(),
+                                          reveal_bytes=len(data), created_at=1)
+                    status, body = await api.post_parts(f"{path}/{r}/reveals", [
+                        ("envelope", sign(worker, envelope).encode()), ("reveal", data)])
+                    assert status == 201, body
+                    reveals[r] = envelope.reveal_hash
+            for v, model in zip(validators, models[r], strict=False):
+                status, body = await post_result(api, run, v, r, base, beacon_seed_of(fixed),
+                                                 [verdict(worker, sub.digest, True)],
+                                                 {w: 1.0}, model)
+                assert status == 201, body
+            for _ in range(600):
+                statuses[r] = (await api.get(f"{path}/{r}"))[1]["status"]
+                if statuses[r] in ("finalized", "voided"):
+                    break
+                await asyncio.sleep(0.02)
+            if statuses[r] == "finalized":
+                base = hashlib.sha256(models[r][0]).hexdigest()
+        await api.server.app[PRUNER].settle()
+        pruned = (await api.get("/v1/runs/void-run/pruned"))[1]["pruned"]
+        async with LedgerClient(api.url) as client:
+            audit = await fetch_and_verify(client, "void-run")
+            key = bytes.fromhex((await client.get_json("/v1/ledger"))["ledger_key"])
+            rows = await fetch_events(client, "void-run")
+        # The chain as it stood before round 1 was voided: the same pruned list names a
+        # reveal file of a round that was not settled then.
+        cut = next(i for i, row in enumerate(rows) if row.kind == "round_voided")
+        before_void = verify_log(rows[:cut], key, pruned=pruned)
+        return {"statuses": statuses, "reveals": reveals, "pruned": pruned, "audit": audit,
+                "before_void": before_void}
+
+    out = run_api(tmp_path, scenario, retention=RetentionPolicy(1), ip_rate=0, key_rate=0)
+    assert out["statuses"] == {0: "finalized", 1: "voided", 2: "finalized", 3: "finalized"}
+    assert 1 in out["reveals"], "round 1 has a reveal file to prune"
+
+    def sha(data: bytes) -> str:
+        return hashlib.sha256(data).hexdigest()
+
+    voided_files = ({(sha(m), "model") for m in models[1]}
+                    | {(sha(b"momentum " + m), "outer_state") for m in models[1]}
+                    | {(out["reveals"][1], "reveal")})
+    listed = {(p["sha256"], p["kind"]) for p in out["pruned"] if p["round"] == 1}
+    assert listed == voided_files
+    assert all(not on_disk(tmp_path, d) for d, _ in voided_files)
+    # The updates and payloads of the voided round stay; so do round 3's base and files.
+    assert all(on_disk(tmp_path, sha(b"update " + m)) for m in models[1])
+    assert on_disk(tmp_path, sha(b"payload 1"))
+    assert on_disk(tmp_path, sha(b"M2")) and on_disk(tmp_path, out["reveals"][3])
+    assert out["audit"].ok, out["audit"].to_json()
+    assert out["audit"].pruned_blobs == len(out["pruned"]) >= len(voided_files)
+    early = out["before_void"]
+    assert not early.ok and early.bad_pruned is not None and "not settled" in early.bad_pruned
