@@ -225,7 +225,7 @@ def test_a_worker_hands_its_claim_to_every_inbox_and_a_down_one_costs_only_its_c
 
     answers = asyncio.run(scenario())
     assert answers[publics[0].ed25519] == "held"
-    assert answers[publics[1].ed25519].startswith("unreachable")
+    assert answers[publics[1].ed25519].startswith("retry, unreachable")
     assert list(inbox.held(0)) == [worker.public_key.hex()]
 
 
@@ -334,19 +334,20 @@ def test_a_reveal_file_that_is_a_sealed_payload_is_refused_and_nothing_stored(tm
 def test_a_worker_hands_its_claim_again_until_every_inbox_holds_it(tmp_path, monkeypatch):
     """An inbox that was down when the worker revealed gets the claim on a later pass
     (kept beside the receipt, so a restart catches up too); one that holds it is not
-    asked again."""
+    asked again, and neither is one that refused it for good (here: an inbox for another
+    run, 404)."""
     import veritrain.workers.node as worker_node
     from veritrain.workers.state import WorkerState
 
     monkeypatch.setattr(worker_node, "HAND_RETRY_SECONDS", 0.0)
     ledger, worker = Identity.generate("ledger"), Identity.generate("worker")
-    validators = validator_identities(2)
-    ports = [free_port(), free_port()]
+    validators = validator_identities(3)
+    ports = [free_port(), free_port(), free_port()]
     publics = [dataclasses.replace(v.public, inbox=f"http://127.0.0.1:{p}")
                for v, p in zip(validators, ports, strict=True)]
     spec = build_run(Identity.generate("organiser"), RUN, synthetic_settings(), publics
                      ).signed.message
-    inboxes = [ReceiptInbox(RUN, ledger.public_key.hex()) for _ in ports]
+    inboxes = [ReceiptInbox(run, ledger.public_key.hex()) for run in (RUN, RUN, "other-run")]
     state = WorkerState(tmp_path / "worker", RUN, 8)
     state.record_claim(0, _claim(ledger, worker))
     posts: list[str] = []
@@ -360,9 +361,10 @@ def test_a_worker_hands_its_claim_again_until_every_inbox_holds_it(tmp_path, mon
 
     async def scenario():
         first = await start_inbox(inboxes[0], "127.0.0.1", ports[0])
+        other = await start_inbox(inboxes[2], "127.0.0.1", ports[2])
         try:
             await worker_node.hand_claim(spec, state, 0, ledger.public_key.hex())
-            after_one = set(state.handed(0))
+            after_one = (state.handed(0), state.refused(0))
             second = await start_inbox(inboxes[1], "127.0.0.1", ports[1])  # it comes up
             try:
                 await worker_node.hand_claim(spec, state, 0, ledger.public_key.hex())
@@ -371,14 +373,21 @@ def test_a_worker_hands_its_claim_again_until_every_inbox_holds_it(tmp_path, mon
                 await second.cleanup()
         finally:
             await first.cleanup()
+            await other.cleanup()
         return after_one
 
     after_one = asyncio.run(scenario())
     keys = [p.ed25519 for p in publics]
-    assert after_one == {keys[0]}
-    assert state.handed(0) == set(keys)
-    assert posts == [keys[0], keys[1], keys[1]]  # the third pass asked nobody
-    assert all(list(i.held(0)) == [worker.public_key.hex()] for i in inboxes)
+    assert after_one == ({keys[0]}, {keys[2]})
+    assert state.handed(0) == {keys[0], keys[1]} and state.refused(0) == {keys[2]}
+    # The first pass asked all three, the second only the one that was down, the third
+    # nobody: the refusing inbox was never asked again.
+    assert posts == [keys[0], keys[1], keys[2], keys[1]]
+    assert all(list(i.held(0)) == [worker.public_key.hex()] for i in inboxes[:2])
+    assert list(inboxes[2].held(0)) == []
+    # A state directory from before refusals were kept (a list of holders) still reads.
+    (state.dir / "receipts" / "0.handed.json").write_text(json.dumps([keys[0]]))
+    assert state.handed(0) == {keys[0]} and state.refused(0) == set()
 
 
 def test_a_claim_that_arrives_while_the_round_is_judged_stops_a_missing_verdict():

@@ -23,15 +23,21 @@ log = logging.getLogger("veritrain.worker")
 
 #: Seconds a validator's inbox gets to answer one claim.
 HAND_TIMEOUT_SECONDS = 10.0
+#: Inbox answers that the same claim will get again (malformed, bad signature, another
+#: run, late or stale, oversized): the worker does not ask that inbox again. Anything
+#: else (429, 5xx, no answer) is worth another try.
+FINAL_REFUSALS = frozenset({400, 401, 404, 409, 413})
 
 
 async def hand_to_validators(spec: RunSpec, claim: RevealClaim, *,
                              skip: Collection[str] = (),
                              timeout: float = HAND_TIMEOUT_SECONDS) -> dict[str, str]:
     """POST ``claim`` to every validator inbox of ``spec`` at once, but those of the keys
-    in ``skip`` (they hold it already); what each answered, by validator key (``held``,
-    or why not). Never raises: an inbox that is down costs only that validator's copy
-    until the worker tries again (workers/node.py)."""
+    in ``skip`` (they hold it already, or refused it for good); what each answered, by
+    validator key: ``held``, ``refused N: why`` (N in :data:`FINAL_REFUSALS`: asking
+    again gets the same), or ``retry ...`` (a refusal that may pass later, or no answer).
+    Never raises: an inbox that is down costs only that validator's copy until the
+    worker tries again (workers/node.py)."""
     inboxes = {k: u for k, u in spec.validator_inboxes().items() if k not in skip}
     if not inboxes:
         return {}
@@ -43,9 +49,10 @@ async def hand_to_validators(spec: RunSpec, claim: RevealClaim, *,
                                     json=body) as resp:
                 if resp.status in (200, 201):
                     return key, "held"
-                return key, f"refused {resp.status}: {(await resp.text())[:200]}"
+                why = f"{resp.status}: {(await resp.text())[:200]}"
+                return key, f"refused {why}" if resp.status in FINAL_REFUSALS else f"retry {why}"
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            return key, f"unreachable: {exc!r}"[:200]
+            return key, f"retry, unreachable: {exc!r}"[:200]
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         answers = dict(await asyncio.gather(*(hand(session, k, u) for k, u in inboxes.items())))
@@ -56,4 +63,4 @@ async def hand_to_validators(spec: RunSpec, claim: RevealClaim, *,
     return answers
 
 
-__all__ = ["hand_to_validators"]
+__all__ = ["FINAL_REFUSALS", "hand_to_validators"]

@@ -328,13 +328,15 @@ _next_hand: dict[tuple[str, int], float] = {}
 async def hand_claim(spec: RunSpec, state: WorkerState, r: int, ledger_key: str) -> None:
     """Hand round ``r``'s kept reveal claim to every validator inbox that does not hold it
     yet (workers/disputes.py), at most every ``HAND_RETRY_SECONDS``; which inboxes hold
-    it is kept beside the receipt, so a restart or an inbox that was down is caught up
-    until the round is settled."""
+    it (and which refused it for good) is kept beside the receipt, so a restart or an
+    inbox that was down is caught up until the round is settled, and an inbox that will
+    refuse it again is not asked again."""
     wire = state.claim(r)
     inboxes = spec.validator_inboxes()
-    held = state.handed(r)
+    held, refused = state.handed(r), state.refused(r)
     key = (str(state.dir), r)
-    if wire is None or held >= set(inboxes) or time.monotonic() < _next_hand.get(key, 0.0):
+    if (wire is None or held | refused >= set(inboxes)
+            or time.monotonic() < _next_hand.get(key, 0.0)):
         return
     _next_hand[key] = time.monotonic() + HAND_RETRY_SECONDS
     try:
@@ -342,8 +344,9 @@ async def hand_claim(spec: RunSpec, state: WorkerState, r: int, ledger_key: str)
     except RejectedInput as exc:
         log.error("round %d: the kept reveal claim does not open: %s", r, exc)
         return
-    answers = await hand_to_validators(spec, claim, skip=held)
-    state.record_handed(r, held | {k for k, a in answers.items() if a == "held"})
+    answers = await hand_to_validators(spec, claim, skip=held | refused)
+    state.record_handed(r, held | {k for k, a in answers.items() if a == "held"},
+                        refused | {k for k, a in answers.items() if a.startswith("refused")})
 
 
 _handing: dict[tuple[str, int], asyncio.Task[None]] = {}

@@ -102,14 +102,25 @@ class WorkerState:
         path = self.dir / "receipts" / f"{r}.claim.json"
         return json.loads(path.read_bytes()) if path.exists() else None
 
-    def record_handed(self, r: int, held_by: set[str]) -> None:
-        """The validators whose inboxes hold round ``r``'s claim."""
-        _atomic_write(self.dir / "receipts" / f"{r}.handed.json",
-                      json.dumps(sorted(held_by)).encode())
+    def record_handed(self, r: int, held_by: set[str], refused_by: set[str] | None = None
+                      ) -> None:
+        """The validators whose inboxes hold round ``r``'s claim, and those whose inbox
+        refused it for good (workers/disputes.py ``FINAL_REFUSALS``: not asked again)."""
+        _atomic_write(self.dir / "receipts" / f"{r}.handed.json", json.dumps(
+            {"held": sorted(held_by), "refused": sorted(refused_by or ())}).encode())
+
+    def _handed(self, r: int) -> dict[str, list[str]]:
+        path = self.dir / "receipts" / f"{r}.handed.json"
+        kept = json.loads(path.read_bytes()) if path.exists() else {}
+        return {"held": kept} if isinstance(kept, list) else kept  # a list: held only
 
     def handed(self, r: int) -> set[str]:
-        path = self.dir / "receipts" / f"{r}.handed.json"
-        return set(json.loads(path.read_bytes())) if path.exists() else set()
+        """The validators whose inboxes hold round ``r``'s claim."""
+        return set(self._handed(r).get("held", ()))
+
+    def refused(self, r: int) -> set[str]:
+        """The validators whose inboxes refused round ``r``'s claim for good."""
+        return set(self._handed(r).get("refused", ()))
 
     def receipts(self, r: int) -> list[Any]:
         """The ledger's signed receipts kept for round ``r`` (submission, then reveal)."""
