@@ -19,6 +19,7 @@ closed as the schedule says, by their own clock:
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from fakes import validator_identities
@@ -165,4 +166,54 @@ def test_a_round_sealed_early_gets_no_share(tmp_path):
     refused, beacon = run_api(tmp_path, scenario)
     assert refused.reason == "early_close", refused
     assert "before the close time the ledger states" in str(refused)
+    assert beacon["beacon"] is None and not beacon["envelopes"]
+
+
+def test_a_validator_names_one_list_a_round_even_across_a_restart(tmp_path, monkeypatch):
+    """The BLS beacon share signs (run, round) only. A ledger shows the validator a sealed
+    list without one submission; the share it names that list with is refused (it is not
+    the ledger's own). After a restart the ledger shows the full list: the validator,
+    which remembers on disk the list it named for the round, names no second one and
+    shares nothing, so the ledger cannot collect one seed for two lists."""
+    validator, bundle, run, workers, preps = _run()
+    lying = [True]
+    hidden = workers[-1].public_key.hex()
+    real_sealed, real_participants = LedgerStore.sealed_submissions, queries.participants
+
+    def sealed(self, run_id, r):  # the hidden worker's submission left out
+        envelopes, excluded = real_sealed(self, run_id, r)
+        return ([e for e in envelopes if not lying[0] or hidden not in e.decode()],
+                excluded)
+
+    def participants(*args, **kwargs):  # and its registration, so the close looks right
+        page = real_participants(*args, **kwargs)
+        if lying[0]:
+            page["participants"] = [p for p in page["participants"] if p["pubkey"] != hidden]
+        return page
+
+    monkeypatch.setattr(LedgerStore, "sealed_submissions", sealed)
+    monkeypatch.setattr(queries, "participants", participants)
+    state_dir = tmp_path / "validator-state"
+
+    async def judge(api: Api) -> tuple[Any, list[dict[str, Any]]]:
+        node = ValidatorNode(ValidatorConfig(ledger_url=api.url, run_id=RUN, poll_seconds=0.05,
+                                             state_dir=state_dir), validator)
+        async with LedgerClient(api.url, retry_for=5.0) as client:
+            info = await client.get_json(f"/v1/runs/{RUN}/rounds/0")
+            try:
+                return await node.validate_round(client, run, info), node.faults
+            except (RejectedInput, LedgerRefused) as exc:
+                return exc, node.faults
+
+    async def scenario(api: Api):
+        await open_and_submit(api, bundle, workers, preps)
+        first = await judge(api)
+        lying[0] = False
+        after_restart = await judge(api)
+        return first, after_restart, (await api.get(f"/v1/runs/{RUN}/rounds/0/beacon"))[1]
+
+    first, after_restart, beacon = run_api(tmp_path, scenario)
+    assert "wrong_sealed_list" in str(first), first
+    outcome, faults = after_restart
+    assert "already signed another beacon_share" in str((outcome, faults)), after_restart
     assert beacon["beacon"] is None and not beacon["envelopes"]

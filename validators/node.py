@@ -343,6 +343,11 @@ class ValidatorNode:
         digest = sealed_list_digest_of(sealed)
         if spec.threshold_beacon:
             return await self.threshold_beacon_seed(client, spec, r, digest, participants)
+        # The BLS share signs (run, round) only, so one share would serve any list: this
+        # node names one (list, view) per round, remembered across restarts (board.py rule
+        # 3), and a ledger that refused it cannot have it name another for the same seed.
+        self.signed_once.claim("beacon_share", run_id, r,
+                               digest_of({"sealed": digest, "participants": participants}))
         signed_root = await asyncio.to_thread(self.identity.sign_bls, beacon_root(run_id, r))
         share = BeaconShare(run_id=run_id, round=r, validator=self.me, share=signed_root.hex(),
                             sealed=digest, participants=participants)
