@@ -406,8 +406,8 @@ class ValidatorNode:
                     or order.index(v["phase"]) >= order.index(kind)))
                 if view["failed"]:
                     break
-                try:
-                    wire = steps[kind](view["posts"])
+                try:  # deals and their checks are seconds of py-ecc: off the event loop
+                    wire = await asyncio.to_thread(steps[kind], view["posts"])
                 except dkg.DkgFault as exc:
                     raise RejectedInput(f"the run's DKG failed: {exc}", "dkg_failed") from exc
                 except BoardFault as exc:  # restarted mid-DKG: its first deal stays its only
@@ -427,10 +427,12 @@ class ValidatorNode:
                                 f"({dkg_board_summary(view)})", "dkg_failed")
         try:
             if self.dkg_node is not None:
-                self.dkg_result = self.dkg_node.adopt(view["posts"]["dkg_result"])
+                self.dkg_result = await asyncio.to_thread(self.dkg_node.adopt,
+                                                          view["posts"]["dkg_result"])
             else:
-                self.dkg_result = dkg.group_result_of(spec.validators, spec.quorum,
-                                                      spec.run_id, view["posts"]["dkg_result"])
+                self.dkg_result = await asyncio.to_thread(
+                    dkg.group_result_of, spec.validators, spec.quorum, spec.run_id,
+                    view["posts"]["dkg_result"])
         except dkg.DkgFault as exc:
             raise RejectedInput(f"the run's DKG failed: {exc} ({dkg_board_summary(view)})",
                                 "dkg_failed") from exc
