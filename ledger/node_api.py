@@ -37,7 +37,7 @@ from veritrain.protocol.messages import (
 )
 from veritrain.protocol.secagg import words_file_bytes
 
-from . import queries, retention
+from . import openings, queries, retention
 from .api_base import (
     LEDGER,
     MAX_MESSAGE_BYTES,
@@ -417,7 +417,8 @@ async def post_shard_check_share(request: web.Request) -> web.Response:
     signed = open_signed(await read_message(request), ShardCheckShare)
     if await _board_resend(request, ledger, "shard", "check_share", signed):
         return web.json_response({"already": True})  # its BLS share is not verified again
-    if not await ledger.verify(ledger.store.shard_check_share_verifies, signed):
+    pairing = await _on_reader(ledger, ledger.store.precheck_shard_check_share, signed)
+    if not await ledger.verify(ledger.store.bls.verify, *pairing):
         raise RejectedInput("shard check share does not verify", "bad_signature")
     return web.json_response(await ledger.write(ledger.store.post_shard_check_share, signed))
 
@@ -482,7 +483,10 @@ async def post_openings_share(request: web.Request) -> web.Response:
     once the masked inputs are committed, over the board's own inputs digest only."""
     ledger = request.app[LEDGER]
     signed = open_signed(await read_message(request), OpeningsShare)
-    if not await ledger.verify(ledger.store.openings_share_verifies, signed):
+    if await _board_resend(request, ledger, "secagg", openings.SHARE, signed):
+        return web.json_response({"kind": openings.SHARE, "already": True}, status=201)
+    pairing = await _on_reader(ledger, ledger.store.precheck_openings_share, signed)
+    if pairing is not None and not await ledger.verify(ledger.store.bls.verify, *pairing):
         raise RejectedInput("the openings share does not verify", "bad_signature")
     return web.json_response(await ledger.write(ledger.store.post_openings_share, signed),
                              status=201)

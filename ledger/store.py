@@ -897,19 +897,19 @@ class LedgerStore:
             s.delete(blob)
             return True
 
-    def shard_check_share_verifies(self, signed: Signed[ShardCheckShare]) -> bool:
-        """The check share's BLS signature (one pairing, cached), once every cheap check
-        passed (they raise their refusal here): run on the verifier thread before the
-        write, which then finds it cached."""
+    def precheck_shard_check_share(self, signed: Signed[ShardCheckShare]
+                                   ) -> tuple[bytes, bytes, bytes]:
+        """A check share's cheap checks (they raise their refusal), on a reader; the
+        (key, message, signature) of its one pairing, which the server verifies on its
+        verifier thread (cached) before the write, so the writer finds it cached."""
         msg = signed.message
         with self.sessions() as s:
             spec = self.get_spec(s, msg.run_id)
             idx, rnd = self._closed_round_for_validator(s, spec, signed.signer, msg.validator,
                                                         msg.round, "shard check share")
             shards.check_share_list(s, spec, rnd, msg)
-        return self.bls.verify(bytes.fromhex(spec.validators[idx]["bls"]),
-                               shard_check_root(msg.run_id, msg.round, msg.results),
-                               bytes.fromhex(msg.share))
+        return (bytes.fromhex(spec.validators[idx]["bls"]),
+                shard_check_root(msg.run_id, msg.round, msg.results), bytes.fromhex(msg.share))
 
     def post_shard_check_share(self, signed: Signed[ShardCheckShare]) -> dict[str, Any]:
         """A BLS share over the published results; the first fixes the list, a quorum the seed."""
@@ -977,18 +977,19 @@ class LedgerStore:
             raise WrongState("the run's DKG has not fixed a group key yet")
         return spec, idx, rnd, group.public_shares[idx]
 
-    def openings_share_verifies(self, signed: Signed[OpeningsShare]) -> bool:
-        """The openings share's BLS signature (one pairing, cached), once every cheap check
-        passed (they raise their refusal here): run on the verifier thread before the
-        write, which then finds it cached. True for an exact resend (answered by the write
-        with no cryptography)."""
+    def precheck_openings_share(self, signed: Signed[OpeningsShare]
+                                ) -> tuple[bytes, bytes, bytes] | None:
+        """An openings share's cheap checks (they raise their refusal), on a reader; the
+        (key, message, signature) of its one pairing, which the server verifies on its
+        verifier thread (cached) before the write, so the writer finds it cached; None for
+        an exact resend (answered by the write with no cryptography)."""
         msg = signed.message
         with self.sessions() as s:
             spec, _, rnd, key = self._openings_share_key(s, signed)
             if openings.check_share(s, spec, rnd, signed, self.clock())[2] is not None:
-                return True
-        return self.bls.verify(bytes.fromhex(key), openings_root(msg.run_id, msg.round, msg.masked),
-                               bytes.fromhex(msg.share))
+                return None
+        return (bytes.fromhex(key), openings_root(msg.run_id, msg.round, msg.masked),
+                bytes.fromhex(msg.share))
 
     def post_openings_share(self, signed: Signed[OpeningsShare]) -> dict[str, Any]:
         """A validator's share of a masked round's openings seed (ledger/openings.py); the

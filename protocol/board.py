@@ -77,12 +77,15 @@ class SignedOnce:
     """What one node has signed, by (kind, run, round): at most one digest each (rule 3).
 
     Sans I/O: ``state`` is what the node loaded from its disk and ``save`` writes it back
-    (called before the signature leaves the node, so a restart remembers it)."""
+    (called before the signature leaves the node, so a restart remembers it). A claim is
+    atomic: nodes sign on threads as well as on their event loop, and two claims saving
+    at once must not lose one on disk."""
 
     def __init__(self, state: dict[str, str] | None = None,
                  save: Callable[[dict[str, str]], None] | None = None) -> None:
         self.state: dict[str, str] = dict(state or {})
         self._save = save
+        self._lock = threading.Lock()
 
     @staticmethod
     def key(kind: str, run_id: str, round_index: int) -> str:
@@ -92,14 +95,15 @@ class SignedOnce:
         """Record that this node signs ``digest`` for (kind, run, round); a second, other
         digest raises :class:`BoardFault` (the ledger showed this node another view)."""
         key = self.key(kind, run_id, round_index)
-        held = self.state.get(key)
-        if held is not None and held != digest:
-            raise BoardFault(f"already signed another {kind} of run {run_id} round "
-                             f"{round_index} ({held[:12]}, now shown {digest[:12]})")
-        if held is None:
-            self.state[key] = digest
-            if self._save is not None:
-                self._save(dict(self.state))
+        with self._lock:
+            held = self.state.get(key)
+            if held is not None and held != digest:
+                raise BoardFault(f"already signed another {kind} of run {run_id} round "
+                                 f"{round_index} ({held[:12]}, now shown {digest[:12]})")
+            if held is None:
+                self.state[key] = digest
+                if self._save is not None:
+                    self._save(dict(self.state))
 
     def signed(self, kind: str, run_id: str, round_index: int) -> str | None:
         return self.state.get(self.key(kind, run_id, round_index))

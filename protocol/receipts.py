@@ -49,6 +49,16 @@ def open_receipt(wire: Any, ledger_key: str) -> Signed[Receipt] | Signed[RevealR
     raise RejectedInput("not a signed submission or reveal receipt", "malformed")
 
 
+#: A validator's receipt inbox's refusals, by reason (its error JSON ``{"error", "detail"}``)
+#: -> HTTP status. The final ones the same claim would get again (a worker stops handing
+#: it there); the others may pass later.
+CLAIM_REFUSALS = {"malformed": 400, "bad_signature": 401, "not_found": 404,
+                  "reveal_late": 409, "stale": 409, "oversized": 413, "full": 429,
+                  "rate_limited": 429}
+FINAL_CLAIM_REFUSALS = frozenset({"malformed", "bad_signature", "not_found", "reveal_late",
+                                  "stale", "oversized"})
+
+
 @dataclass(frozen=True)
 class RevealClaim:
     """A worker's signed reveal envelope with the ledger's signed receipt for it: the

@@ -54,3 +54,23 @@ def test_a_node_signs_one_list_per_round_and_remembers_it_across_restarts():
     assert restarted.signed("shard_check", RUN, 3) == "aa" * 32
     with pytest.raises(BoardFault):
         restarted.claim("shard_check", RUN, 3, "dd" * 32)
+
+
+def test_claims_from_many_threads_all_reach_the_disk(tmp_path):
+    """Nodes sign on threads and on their event loop: claims made at once all end up in
+    the file a restart reads, none lost to another's save."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = tmp_path / "signed-once.json"
+    once = SignedOnce.in_file(path)
+
+    def claim_many(t: int) -> None:
+        for r in range(25):
+            once.claim(f"kind{t}", RUN, r, f"{t:02x}{r:02x}" * 16)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(claim_many, range(8)))
+    restarted = SignedOnce.in_file(path)
+    assert len(restarted.state) == 8 * 25
+    assert all(restarted.signed(f"kind{t}", RUN, r) == f"{t:02x}{r:02x}" * 16
+               for t in range(8) for r in range(25))

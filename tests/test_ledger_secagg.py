@@ -540,12 +540,25 @@ def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url, mon
         out["closes"].append(await board(api))
         committed = out["closes"][-1]["openings"]
         out["committed"] = committed
-        out["wrong_share"] = await post_share(api, v0, "0" * 64)
-        out["bad_share"] = await post_share(api, v0, committed["masked"], signed_over="1" * 64)
-        out["share0"] = await post_share(api, v0, committed["masked"])
+        # Each post's pairings actually computed (cache misses): only a share that passed
+        # every cheap check costs one, and an exact resend none.
+        pairings = out["pairings"] = {}
+        computed = api.store.bls.computed
+
+        async def counted(name: str, posting: Any) -> None:
+            before = api.store.bls.computed
+            out[name] = await posting
+            pairings[name] = api.store.bls.computed - before
+
+        await counted("wrong_share", post_share(api, v0, "0" * 64))
+        await counted("bad_share", post_share(api, v0, committed["masked"],
+                                              signed_over="1" * 64))
+        await counted("share0", post_share(api, v0, committed["masked"]))
+        await counted("share0_again", post_share(api, v0, committed["masked"]))
         out["checks_at_one"] = (await api.get(f"/v1/runs/{RUN}/rounds/0/challenges"))[1]
-        out["share1"] = await post_share(api, v1, committed["masked"])
-        out["second_share"] = await post_share(api, v1, "0" * 64)
+        await counted("share1", post_share(api, v1, committed["masked"]))
+        await counted("second_share", post_share(api, v1, "0" * 64))
+        out["all_pairings"] = api.store.bls.computed - computed
         out["fixed"] = (await board(api))["openings"]["fixed"]
         out["challenged"] = [c["worker"] for c in (await api.get(
             f"/v1/runs/{RUN}/rounds/0/challenges"))[1]["challenges"]]
@@ -624,6 +637,10 @@ def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url, mon
     assert refused(out["wrong_share"], 409, "wrong_masked")
     assert refused(out["bad_share"], 401, "bad_signature")
     assert out["share0"][0] == 201 and out["checks_at_one"]["fixed"] is False
+    assert out["share0_again"] == (201, {"kind": "openings_share", "already": True})
+    assert out["pairings"] == {"wrong_share": 0, "bad_share": 1, "share0": 1,
+                               "share0_again": 0, "share1": 1, "second_share": 0}
+    assert out["all_pairings"] == 3
     assert out["share1"][0] == 201
     assert refused(out["second_share"], 409, "wrong_masked")
     fixed = out["fixed"]

@@ -437,3 +437,44 @@ def test_the_ledgers_word_on_the_deadline_and_on_completeness_is_not_taken():
         asyncio.run(node.gather_reveals(_Board(ledger, listed, blobs), run, 0, submitted,
                                         due=due, not_before=50.0))
     assert info.value.reason == "early_deadline"
+
+
+def test_only_the_inbox_s_own_final_refusal_stops_the_worker_asking(tmp_path):
+    """An inbox for another run refuses the claim for good (its error JSON, 404
+    ``not_found``); a proxy's bare 404 while the validator restarts, and the inbox's own
+    429, are worth another try."""
+    from aiohttp import web
+
+    ledger, worker = Identity.generate("ledger"), Identity.generate("worker")
+    validators = validator_identities(3)
+    ports = [free_port() for _ in validators]
+    publics = [dataclasses.replace(v.public, inbox=f"http://127.0.0.1:{p}")
+               for v, p in zip(validators, ports, strict=True)]
+    spec = build_run(Identity.generate("organiser"), RUN, synthetic_settings(), publics
+                     ).signed.message
+    claim = open_reveal_claim(_claim(ledger, worker), RUN, ledger.public_key.hex())
+
+    async def busy(request: web.Request) -> web.Response:
+        return web.json_response({"error": "rate_limited", "detail": "slow down"}, status=429)
+
+    async def scenario():
+        runners = [await start_inbox(ReceiptInbox("other-run", ledger.public_key.hex()),
+                                     "127.0.0.1", ports[0])]
+        for port, routes in ((ports[1], []), (ports[2], [web.post("/{tail:.*}", busy)])):
+            app = web.Application()
+            app.add_routes(routes)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runners.append(runner)
+        try:
+            return await hand_to_validators(spec, claim, timeout=5.0)
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+
+    answers = asyncio.run(scenario())
+    other_run, proxy, busy_inbox = (answers[p.ed25519] for p in publics)
+    assert other_run.startswith("refused 404"), other_run
+    assert proxy.startswith("retry 404"), proxy
+    assert busy_inbox.startswith("retry 429"), busy_inbox

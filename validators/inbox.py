@@ -30,7 +30,7 @@ from aiohttp import web
 from veritrain.ledger.ratelimit import TokenBuckets
 from veritrain.protocol.errors import RejectedInput
 from veritrain.protocol.messages import MAX_WORKERS_PER_ROUND
-from veritrain.protocol.receipts import RevealClaim, open_reveal_claim
+from veritrain.protocol.receipts import CLAIM_REFUSALS, RevealClaim, open_reveal_claim
 
 log = logging.getLogger("veritrain.validator.inbox")
 
@@ -39,8 +39,7 @@ KEEP_ROUNDS = 4
 #: A claim is two signed messages: a few hundred bytes each.
 MAX_CLAIM_BYTES = 16 << 10
 #: HTTP status of each refusal reason the inbox gives.
-STATUS_OF = {"malformed": 400, "bad_signature": 401, "not_found": 404, "reveal_late": 409,
-             "stale": 409, "oversized": 413, "full": 429, "rate_limited": 429}
+STATUS_OF = CLAIM_REFUSALS
 #: Claims one client address may post per second, and in a burst: a worker posts one per
 #: round; the limit keeps a flood from holding up the validator's own round work (the
 #: checks run on its event loop).

@@ -12,21 +12,18 @@ ledger, which signed for it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Collection
 
 import aiohttp
 from veritrain.protocol.messages import RunSpec
-from veritrain.protocol.receipts import RevealClaim
+from veritrain.protocol.receipts import CLAIM_REFUSALS, FINAL_CLAIM_REFUSALS, RevealClaim
 
 log = logging.getLogger("veritrain.worker")
 
 #: Seconds a validator's inbox gets to answer one claim.
 HAND_TIMEOUT_SECONDS = 10.0
-#: Inbox answers that the same claim will get again (malformed, bad signature, another
-#: run, late or stale, oversized): the worker does not ask that inbox again. Anything
-#: else (429, 5xx, no answer) is worth another try.
-FINAL_REFUSALS = frozenset({400, 401, 404, 409, 413})
 
 
 async def hand_to_validators(spec: RunSpec, claim: RevealClaim, *,
@@ -34,8 +31,10 @@ async def hand_to_validators(spec: RunSpec, claim: RevealClaim, *,
                              timeout: float = HAND_TIMEOUT_SECONDS) -> dict[str, str]:
     """POST ``claim`` to every validator inbox of ``spec`` at once, but those of the keys
     in ``skip`` (they hold it already, or refused it for good); what each answered, by
-    validator key: ``held``, ``refused N: why`` (N in :data:`FINAL_REFUSALS`: asking
-    again gets the same), or ``retry ...`` (a refusal that may pass later, or no answer).
+    validator key: ``held``, ``refused N: why`` (the inbox's own refusal, in its error
+    JSON, of a reason in ``FINAL_CLAIM_REFUSALS``: asking again gets the same), or
+    ``retry ...`` (anything else: 429, a 5xx, a proxy's 404 while the validator restarts,
+    no answer).
     Never raises: an inbox that is down costs only that validator's copy until the
     worker tries again (workers/node.py)."""
     inboxes = {k: u for k, u in spec.validator_inboxes().items() if k not in skip}
@@ -49,8 +48,9 @@ async def hand_to_validators(spec: RunSpec, claim: RevealClaim, *,
                                     json=body) as resp:
                 if resp.status in (200, 201):
                     return key, "held"
-                why = f"{resp.status}: {(await resp.text())[:200]}"
-                return key, f"refused {why}" if resp.status in FINAL_REFUSALS else f"retry {why}"
+                text = await resp.text()
+                why = f"{resp.status}: {text[:200]}"
+                return key, f"refused {why}" if _final(resp.status, text) else f"retry {why}"
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             return key, f"retry, unreachable: {exc!r}"[:200]
 
@@ -63,4 +63,16 @@ async def hand_to_validators(spec: RunSpec, claim: RevealClaim, *,
     return answers
 
 
-__all__ = ["FINAL_REFUSALS", "hand_to_validators"]
+def _final(status: int, text: str) -> bool:
+    """Whether an inbox's answer is its own refusal that the same claim would get again:
+    its error JSON names a final reason with that reason's status."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return False
+    reason = body.get("error") if isinstance(body, dict) else None
+    return (isinstance(reason, str) and reason in FINAL_CLAIM_REFUSALS
+            and CLAIM_REFUSALS[reason] == status)
+
+
+__all__ = ["hand_to_validators"]
