@@ -218,6 +218,25 @@ def hollow_reveal(run: Any, segments: list[int], sub: Any, payload: bytes) -> by
     return buf.getvalue()
 
 
+def record_pairing_threads(monkeypatch: Any) -> list[str]:
+    """The name of the thread each ``bls.verify`` runs on, appended as it runs (patched for
+    the test): the ledger's pairings belong on its verifier thread, never its single
+    writer, where one would hold up every queued post past its phase's deadline."""
+    import threading
+
+    from veritrain.protocol import bls
+
+    threads: list[str] = []
+    real = bls.verify
+
+    def recording(pub: bytes, message: bytes, signature: bytes) -> bool:
+        threads.append(threading.current_thread().name)
+        return real(pub, message, signature)
+
+    monkeypatch.setattr(bls, "verify", recording)
+    return threads
+
+
 # --- a round's beacon shares and results, as validators post them ----------------------
 
 

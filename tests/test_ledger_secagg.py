@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import threading
 import time
 from typing import Any
 
 import pytest
 from fakes import FakeRun, make_fake_run, make_submission
 from ledger_backends import make_fixture
-from ledger_harness import Api, key_rate_limited, replay_from, run_api
+from ledger_harness import Api, key_rate_limited, record_pairing_threads, replay_from, run_api
 from veritrain.ledger import schema as t
 from veritrain.ledger.audit import fetch_events, verify_events
 from veritrain.ledger.client import LedgerClient
-from veritrain.protocol import bls
 from veritrain.protocol.beacon import (
     EVERY_WORKER_ADMITTED,
     beacon_root,
@@ -477,16 +475,7 @@ async def post_share(api: Api, v: Identity, digest: str, *, signed_over: str | N
 def test_complete_board_with_openings_passes_the_audit(tmp_path, ledger_url, monkeypatch):
     run = masked_run(spot_checks=2)
     ids = [Identity.generate("worker") for _ in range(6)]
-    # Where each openings share's pairing runs: never on the single writer, where it would
-    # hold up every board post behind it past its phase's deadline.
-    pairing_threads: list[str] = []
-    real_verify = bls.verify
-
-    def recording_verify(pub: bytes, message: bytes, signature: bytes) -> bool:
-        pairing_threads.append(threading.current_thread().name)
-        return real_verify(pub, message, signature)
-
-    monkeypatch.setattr(bls, "verify", recording_verify)
+    pairing_threads = record_pairing_threads(monkeypatch)
 
     async def scenario(api: Api) -> dict[str, Any]:
         out: dict[str, Any] = {"closes": []}

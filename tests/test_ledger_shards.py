@@ -13,11 +13,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import threading
 
 from fakes import make_fake_run, make_submission
 from ledger_backends import make_fixture
-from ledger_harness import Api, key_rate_limited, replay_from, run_api, verdict
+from ledger_harness import (
+    Api,
+    key_rate_limited,
+    record_pairing_threads,
+    replay_from,
+    run_api,
+    verdict,
+)
 from ledger_harness import post_result as post_round_result
 from veritrain.ledger.audit import fetch_events, verify_events
 from veritrain.ledger.client import LedgerClient
@@ -102,16 +108,7 @@ def test_shard_board_fixes_one_list_and_one_seed(tmp_path, ledger_url, monkeypat
     v0, v1, v2 = run.validators
     worker = Identity.generate("worker")
     base = f"/v1/runs/{RUN}/rounds/0/shards"
-    # Where each check share's pairing runs: never on the single writer, where it would
-    # hold up every other post behind it.
-    pairing_threads: list[str] = []
-    real_verify = bls.verify
-
-    def recording_verify(pub: bytes, message: bytes, signature: bytes) -> bool:
-        pairing_threads.append(threading.current_thread().name)
-        return real_verify(pub, message, signature)
-
-    monkeypatch.setattr(bls, "verify", recording_verify)
+    pairing_threads = record_pairing_threads(monkeypatch)
 
     async def post_result(api: Api, signer: Identity, pub: ShardPublication, blob: bytes):
         return await api.post_parts(base, [("publication", sign(signer, pub).encode()),
