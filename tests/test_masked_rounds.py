@@ -49,10 +49,10 @@ def masked_settings(bucket: int, dropouts: int, spot_checks: int) -> dict:
     settings = synthetic_settings()
     settings["aggregator"] = {"name": "centered_clip", "params": {"tau_rel": 1.0},
                               "masked": {"bucket_size": bucket, "max_dropouts": dropouts,
-                                         "clip_norm": CLIP, "phase_seconds": 4.0}}
+                                         "clip_norm": CLIP, "phase_seconds": 15.0}}
     settings["verification"]["probe_examples"] = 0
     settings["verification"]["spot_checks_per_round"] = spot_checks
-    settings["verification"]["reveal_seconds"] = 5.0
+    settings["verification"]["reveal_seconds"] = 15.0
     settings["schedule"]["min_submissions"] = 2
     return settings
 
