@@ -50,7 +50,7 @@ def _run(*, inbox: bool):
     if inbox:
         public = dataclasses.replace(public, inbox=f"http://127.0.0.1:{free_port()}")
     settings = synthetic_settings()
-    settings["verification"]["reveal_seconds"] = 3.0
+    settings["verification"]["reveal_seconds"] = 10.0
     bundle = build_run(Identity.generate("organiser"), RUN, settings, [public])
     run = RunContext.build(bundle.signed.message, bundle.dataset)
     base = run.decode_model(bundle.genesis)
