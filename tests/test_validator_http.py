@@ -39,6 +39,9 @@ def synthetic_settings(challenges: float = 2.0, binding_chunks: int = 16) -> dic
     # fp16: bad_payload writes a NaN into that codec's plain little-endian layout.
     settings["codec"] = {"name": "fp16", "params": {}}
     settings["schedule"]["round_seconds"] = 30.0
+    # A withheld reveal is judged missing at this deadline; honest reveals take under a
+    # second, so 10 s leaves room on a loaded machine without every such test waiting 30.
+    settings["verification"]["reveal_seconds"] = 10.0
     return settings
 
 
