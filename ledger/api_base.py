@@ -24,7 +24,7 @@ from veritrain.protocol.errors import EncodingError
 from .admission import RejectionBudget
 from .blobs import BlobStore, StagedBlob
 from .ingest import SubmissionBatcher
-from .ratelimit import charge_replay, charge_signer
+from .ratelimit import charge_bad_signature, charge_replay, charge_signer, refuse_bad_signer
 from .retention import RetentionPolicy
 from .store import LedgerStore
 from .uploads import (
@@ -84,6 +84,11 @@ class LedgerConfig:
     ip_burst: float = 400.0
     key_rate: float = 5.0
     key_burst: float = 20.0
+    # BLS signatures that do not verify, per signer key (ratelimit.py): each costs the
+    # single verifier thread a pairing (~0.3 s), and an honest node never sends one. A
+    # burst below 1 disables the limit.
+    bad_signature_rate: float = 1 / 60
+    bad_signature_burst: float = 5.0
     # How slow a request body may arrive (uploads.py) and how long an idle or
     # half-sent request may hold a connection (aiohttp's keep-alive timeout).
     uploads: UploadPolicy = field(default_factory=UploadPolicy)
@@ -152,6 +157,24 @@ def set_signer(request: web.Request, signer: str) -> None:
     signer (a ``rejections`` row) only after this."""
     request[SIGNER] = signer
     charge_signer(request, signer)
+
+
+async def verify_bls(request: web.Request, signer: str, check: Callable[..., bool],
+                     *args: Any, paused: bool = False) -> bool:
+    """``check(*args)``, the BLS verification of a message ``signer`` sent (``set_signer``
+    passed), on the verifier thread; ``paused``: the request body's clock stops meanwhile.
+
+    The ledger verifies pairings one at a time, so a key whose signatures keep failing
+    would hold every validator's share behind its own: a failure spends one of the key's
+    ``bad_signature`` tokens, and a key with none left is refused (429) before its
+    pairing. An honest node's signatures verify, so it never spends one."""
+    ledger = request.app[LEDGER]
+    refuse_bad_signer(request, signer)
+    pending = ledger.verify(check, *args)
+    ok = await (clock_of(request).paused(pending) if paused else pending)
+    if not ok:
+        charge_bad_signature(request, signer)
+    return ok
 
 
 def replayed(request: web.Request, signer: str) -> None:

@@ -51,6 +51,7 @@ from .api_base import (
     read_message,
     replayed,
     set_signer,
+    verify_bls,
 )
 from .blobs import StagedBlob
 from .challenges import challenges_view
@@ -249,7 +250,8 @@ async def post_result(request: web.Request) -> web.Response:
         raise Conflict("this validator already posted this result for this round")
     set_signer(request, signed.signer)
     await ledger.read(ledger.store.precheck_result, signed)
-    if not await clock_of(request).paused(ledger.verify(ledger.store.result_verifies, signed)):
+    if not await verify_bls(request, signed.signer, ledger.store.result_verifies, signed,
+                            paused=True):
         raise RejectedInput("BLS attestation does not verify", "bad_signature")
     cert = res.certified_state
     staged: list[StagedBlob] = []
@@ -300,7 +302,7 @@ async def post_beacon_share(request: web.Request) -> web.Response:
         replayed(request, signed.signer)
         return web.json_response(resent)
     set_signer(request, signed.signer)
-    if not await ledger.verify(ledger.store.beacon_share_verifies, signed):
+    if not await verify_bls(request, signed.signer, ledger.store.beacon_share_verifies, signed):
         raise RejectedInput("beacon share does not verify", "bad_signature")
     return web.json_response(await ledger.write(ledger.store.post_beacon_share, signed))
 
@@ -349,7 +351,7 @@ async def post_beacon_partial(request: web.Request) -> web.Response:
         replayed(request, signed.signer)
         return web.json_response(resent)
     set_signer(request, signed.signer)
-    if not await ledger.verify(ledger.store.partial_verifies, signed):
+    if not await verify_bls(request, signed.signer, ledger.store.partial_verifies, signed):
         raise RejectedInput("the partial signature does not verify against the validator's "
                             "public key share", "bad_signature")
     return web.json_response(await ledger.write(ledger.store.post_beacon_partial, signed))
@@ -418,7 +420,7 @@ async def post_shard_check_share(request: web.Request) -> web.Response:
     if await _board_resend(request, ledger, "shard", "check_share", signed):
         return web.json_response({"already": True})  # its BLS share is not verified again
     pairing = await _on_reader(ledger, ledger.store.precheck_shard_check_share, signed)
-    if not await ledger.verify(ledger.store.bls.verify, *pairing):
+    if not await verify_bls(request, signed.signer, ledger.store.bls.verify, *pairing):
         raise RejectedInput("shard check share does not verify", "bad_signature")
     return web.json_response(await ledger.write(ledger.store.post_shard_check_share, signed))
 
@@ -486,7 +488,8 @@ async def post_openings_share(request: web.Request) -> web.Response:
     if await _board_resend(request, ledger, "secagg", openings.SHARE, signed):
         return web.json_response({"kind": openings.SHARE, "already": True}, status=201)
     pairing = await _on_reader(ledger, ledger.store.precheck_openings_share, signed)
-    if pairing is not None and not await ledger.verify(ledger.store.bls.verify, *pairing):
+    if pairing is not None and not await verify_bls(request, signed.signer,
+                                                    ledger.store.bls.verify, *pairing):
         raise RejectedInput("the openings share does not verify", "bad_signature")
     return web.json_response(await ledger.write(ledger.store.post_openings_share, signed),
                              status=201)

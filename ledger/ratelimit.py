@@ -32,8 +32,8 @@ class TokenBuckets:
         self.rate, self.burst, self.max_keys, self.clock = rate, burst, max_keys, clock
         self._buckets: OrderedDict[str, list[float]] = OrderedDict()
 
-    def take(self, key: str, cost: float = 1.0) -> float:
-        """0.0 if ``key`` may go ahead (a token is spent), else seconds until it may."""
+    def _refilled(self, key: str) -> list[float]:
+        """``key``'s bucket [tokens, as of], refilled up to now."""
         now = self.clock()
         bucket = self._buckets.get(key)
         if bucket is None:
@@ -44,10 +44,23 @@ class TokenBuckets:
             self._buckets.move_to_end(key)
             bucket[0] = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
             bucket[1] = now
+        return bucket
+
+    def _until(self, tokens: float, cost: float) -> float:
+        return math.inf if self.rate == 0 else (cost - tokens) / self.rate
+
+    def take(self, key: str, cost: float = 1.0) -> float:
+        """0.0 if ``key`` may go ahead (a token is spent), else seconds until it may."""
+        bucket = self._refilled(key)
         if bucket[0] >= cost:
             bucket[0] -= cost
             return 0.0
-        return math.inf if self.rate == 0 else (cost - bucket[0]) / self.rate
+        return self._until(bucket[0], cost)
+
+    def wait(self, key: str, cost: float = 1.0) -> float:
+        """Like :meth:`take`, spending nothing: 0.0 if ``key`` holds ``cost`` tokens now."""
+        bucket = self._refilled(key)
+        return 0.0 if bucket[0] >= cost else self._until(bucket[0], cost)
 
 
 @dataclass
@@ -58,14 +71,20 @@ class RateLimits:
     per_key: TokenBuckets | None
     refused: dict[str, int]
     per_replay: TokenBuckets | None = None
+    #: Per signer key, the BLS signatures that did not verify (each cost the verifier
+    #: thread a pairing): spent on a failure, checked before every pairing.
+    per_bad_signature: TokenBuckets | None = None
 
     @classmethod
     def build(cls, ip_rate: float, ip_burst: float, key_rate: float,
-              key_burst: float) -> RateLimits:
+              key_burst: float, bad_signature_rate: float = 0.0,
+              bad_signature_burst: float = 0.0) -> RateLimits:
         return cls(TokenBuckets(ip_rate, ip_burst) if ip_rate > 0 else None,
                    TokenBuckets(key_rate, key_burst) if key_rate > 0 else None,
-                   {"ip": 0, "key": 0, "replay": 0},
-                   TokenBuckets(key_rate, key_burst) if key_rate > 0 else None)
+                   {"ip": 0, "key": 0, "replay": 0, "bad_signature": 0},
+                   TokenBuckets(key_rate, key_burst) if key_rate > 0 else None,
+                   TokenBuckets(bad_signature_rate, bad_signature_burst)
+                   if bad_signature_burst >= 1 else None)
 
 
 LIMITS = web.AppKey("rate_limits", RateLimits)
@@ -107,6 +126,35 @@ def charge_replay(request: web.Request, signer: str) -> None:
     if wait > 0:
         limits.refused["replay"] += 1
         raise KeyRateLimited(wait)
+
+
+def refuse_bad_signer(request: web.Request, signer: str) -> None:
+    """429 before any pairing for a signer whose BLS signatures failed to verify more
+    often than its budget allows (``charge_bad_signature``)."""
+    limits = request.app.get(LIMITS)
+    if limits is None or limits.per_bad_signature is None:
+        return
+    wait = limits.per_bad_signature.wait(signer)
+    if wait > 0:
+        limits.refused["bad_signature"] += 1
+        raise BadSignaturesLimited(wait)
+
+
+def charge_bad_signature(request: web.Request, signer: str) -> None:
+    """Spend one of ``signer``'s failed-verification tokens."""
+    limits = request.app.get(LIMITS)
+    if limits is not None and limits.per_bad_signature is not None:
+        limits.per_bad_signature.take(signer)
+
+
+class BadSignaturesLimited(web.HTTPTooManyRequests):
+    """A signer whose BLS signatures keep failing: no more pairings for it for a while."""
+
+    def __init__(self, wait: float) -> None:
+        super().__init__(reason="Rate Limited",
+                         text="too many signatures from this key did not verify; retry in "
+                              f"{wait:.1f}s")
+        self.wait = wait
 
 
 @web.middleware

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -116,7 +117,12 @@ async def problems_middleware(
         return problem(413, "oversized", exc.text or "request body too large")
     except web.HTTPException as exc:
         if exc.status >= 400:
-            return problem(exc.status, exc.reason.lower().replace(" ", "_"), exc.text or exc.reason)
+            resp = problem(exc.status, exc.reason.lower().replace(" ", "_"),
+                           exc.text or exc.reason)
+            wait = getattr(exc, "wait", None)  # a rate limit's own wait (ratelimit.py)
+            if isinstance(wait, float):
+                resp.headers["Retry-After"] = str(max(1, math.ceil(min(wait, 3600))))
+            return resp
         raise
     except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError) as exc:
         log.info("client aborted %s %s: %s", request.method, request.path, exc)
@@ -170,7 +176,8 @@ def make_app(config: LedgerConfig, identity: Identity) -> web.Application:
         app[PRUNER] = BackgroundPruner(ledger)
     app[METRICS] = Metrics()
     app[LIMITS] = RateLimits.build(config.ip_rate, config.ip_burst, config.key_rate,
-                                   config.key_burst)
+                                   config.key_burst, config.bad_signature_rate,
+                                   config.bad_signature_burst)
     app.add_routes(node_api.routes)
     app.add_routes(membership_api.routes)
     app.add_routes(audit_api.routes)

@@ -10,6 +10,7 @@ headers; a client that hangs up is not a 500.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import time
@@ -430,3 +431,63 @@ def test_a_client_hanging_up_mid_upload_is_no_500(tmp_path):
         assert (await api.get(f"/v1/runs/{run.spec.run_id}/rounds/0"))[1]["submissions"] == 0
 
     run_api(tmp_path, scenario)
+
+
+def _limited(text: str, scope: str) -> int:
+    line = next(x for x in text.splitlines()
+                if x.startswith(f'veritrain_rate_limited_total{{scope="{scope}"}}'))
+    return int(float(line.split()[-1]))
+
+
+def test_a_key_whose_bls_signatures_keep_failing_gets_no_more_pairings(tmp_path):
+    """The ledger verifies pairings one at a time (~0.3 s each): a validator sending beacon
+    shares that do not verify is paired five times, then refused (429, Retry-After: until
+    its budget refills) before any pairing, so it cannot hold the other validators' shares behind
+    its own; the other validator's share goes through at once."""
+    run = make_fake_run("pairing-run", n_validators=2, quorum=2)
+    byzantine, honest = run.validators
+    worker = Identity.generate("worker")
+    path = f"/v1/runs/{run.spec.run_id}/rounds/0"
+
+    def forged(i: int) -> dict:
+        good = beacon_share(run, byzantine, 0, sealed)
+        body = dataclasses.replace(good.message, share=byzantine.sign_bls(b"junk %d" % i).hex())
+        return sign(byzantine, body).to_wire()
+
+    async def scenario(api):
+        nonlocal sealed
+        await api.create_run(run)
+        assert (await api.register(run, worker))[0] == 200
+        assert (await api.submit(make_submission(run, worker, PAYLOAD), PAYLOAD))[0] == 201
+        while (await api.get(path))[1]["status"] != "closed":
+            await asyncio.sleep(0.02)
+        subs = (await api.get(f"{path}/submissions"))[1]["submissions"]
+        sealed = sealed_list_digest_of(subs)
+        answers = []
+        for i in range(7):
+            before = api.store.bls.computed
+            async with api.session.post(f"{api.url}{path}/beacon",
+                                        data=encode_canonical(forged(i))) as resp:
+                answers.append((resp.status, (await resp.json(content_type=None))["reason"],
+                                resp.headers.get("Retry-After"),
+                                api.store.bls.computed - before))
+        own = beacon_share(run, byzantine, 0, sealed).to_wire()
+        status_own, _ = await api.post_json(f"{path}/beacon", own)
+        status_other, body = await api.post_json(f"{path}/beacon",
+                                                 beacon_share(run, honest, 0, sealed).to_wire())
+        async with api.session.get(f"{api.url}/metrics") as resp:
+            metrics = await resp.text()
+        return answers, status_own, status_other, body, metrics
+
+    sealed = ""
+    # One token back per 10 minutes here (a minute by default), so that slow pairings on a
+    # loaded machine do not refill one mid-test.
+    answers, status_own, status_other, body, metrics = run_api(
+        tmp_path, scenario, bad_signature_rate=1 / 600)
+    assert [a[:2] for a in answers[:5]] == [(401, "bad_signature")] * 5
+    assert [a[3] for a in answers[:5]] == [1] * 5  # one pairing each
+    assert [(a[0], a[1], a[3]) for a in answers[5:]] == [(429, "rate_limited", 0)] * 2
+    assert all(60 < int(a[2]) <= 600 for a in answers[5:]), answers
+    assert status_own == 429  # its own good share waits out the budget too
+    assert status_other == 200 and body["shares"] == 1, body
+    assert _limited(metrics, "bad_signature") == 3

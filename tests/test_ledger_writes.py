@@ -219,6 +219,11 @@ def test_token_bucket_refills_at_its_rate():
     assert buckets.take("a") == 0.0 and buckets.take("a") > 0
     buckets.take("b"), buckets.take("c")  # at most two keys are remembered
     assert "a" not in buckets._buckets
+    # wait() says what take() would, spending nothing.
+    now[0] = 10.0
+    assert [buckets.wait("d") for _ in range(5)] == [0.0] * 5
+    assert [buckets.take("d") for _ in range(3)] == [0.0] * 3
+    assert buckets.wait("d") == buckets.wait("d") == 0.5
     assert hashlib  # (imported for the module's helpers)
 
 

@@ -235,7 +235,7 @@ def cmd_ledger_serve(args: argparse.Namespace) -> int:
     config = LedgerConfig(
         data_dir=data_dir, db_url=args.db or default_db_url(data_dir), tick_seconds=args.tick,
         ip_rate=args.ip_rate, ip_burst=args.ip_burst, key_rate=args.key_rate,
-        key_burst=args.key_burst,
+        key_burst=args.key_burst, bad_signature_burst=args.bad_signature_burst,
         uploads=UploadPolicy(idle_seconds=args.upload_idle, min_bytes_per_s=args.upload_min_rate),
         keepalive_seconds=args.keepalive,
         retention=RetentionPolicy(_audit_window(args.audit_window), keep_blobs=args.keep_blobs))
@@ -502,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--key-rate", type=float, default=5.0,
                    help="signed writes per second per key (0: no limit)")
     s.add_argument("--key-burst", type=float, default=20.0)
+    s.add_argument("--bad-signature-burst", type=float, default=5.0,
+                   help="BLS signatures that fail to verify one key may send before it waits "
+                        "a minute per further try (0: no limit)")
     s.add_argument("--upload-idle", type=float, default=30.0,
                    help="seconds a request body may pause before it is cut off")
     s.add_argument("--upload-min-rate", type=float, default=16384.0,
