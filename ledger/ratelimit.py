@@ -99,45 +99,43 @@ def too_many(scope: str, wait: float) -> web.Response:
 
 
 class KeyRateLimited(web.HTTPTooManyRequests):
-    """Raised inside a handler when a verified signer is over its budget."""
+    """Raised inside a handler when a verified signer is over one of its budgets."""
 
-    def __init__(self, wait: float) -> None:
-        super().__init__(reason="Rate Limited",
-                         text=f"too many writes from this key; retry in {wait:.1f}s")
+    def __init__(self, wait: float, what: str = "too many writes from this key") -> None:
+        super().__init__(reason="Rate Limited", text=f"{what}; retry in {wait:.1f}s")
         self.wait = wait
 
 
-def charge_signer(request: web.Request, signer: str) -> None:
+def _limit(request: web.Request, scope: str, key: str, *, spend: bool = True,
+           what: str = "too many writes from this key") -> None:
+    """Take a token of ``key`` in the ``scope`` buckets (or, ``spend`` False, only check
+    one is there); 429 (``KeyRateLimited``) when there is none."""
     limits = request.app.get(LIMITS)
-    if limits is None or limits.per_key is None:
+    buckets = None if limits is None else {
+        "key": limits.per_key, "replay": limits.per_replay,
+        "bad_signature": limits.per_bad_signature}[scope]
+    if limits is None or buckets is None:
         return
-    wait = limits.per_key.take(signer)
+    wait = buckets.take(key) if spend else buckets.wait(key)
     if wait > 0:
-        limits.refused["key"] += 1
-        raise KeyRateLimited(wait)
+        limits.refused[scope] += 1
+        raise KeyRateLimited(wait, what)
+
+
+def charge_signer(request: web.Request, signer: str) -> None:
+    _limit(request, "key", signer)
 
 
 def charge_replay(request: web.Request, signer: str) -> None:
     """Charge a copy of a stored message to its (key, address) pair, never to the key."""
-    limits = request.app.get(LIMITS)
-    if limits is None or limits.per_replay is None:
-        return
-    wait = limits.per_replay.take(signer + "@" + (request.remote or "?"))
-    if wait > 0:
-        limits.refused["replay"] += 1
-        raise KeyRateLimited(wait)
+    _limit(request, "replay", signer + "@" + (request.remote or "?"))
 
 
 def refuse_bad_signer(request: web.Request, signer: str) -> None:
     """429 before any pairing for a signer whose BLS signatures failed to verify more
     often than its budget allows (``charge_bad_signature``)."""
-    limits = request.app.get(LIMITS)
-    if limits is None or limits.per_bad_signature is None:
-        return
-    wait = limits.per_bad_signature.wait(signer)
-    if wait > 0:
-        limits.refused["bad_signature"] += 1
-        raise BadSignaturesLimited(wait)
+    _limit(request, "bad_signature", signer, spend=False,
+           what="too many signatures from this key did not verify")
 
 
 def charge_bad_signature(request: web.Request, signer: str) -> None:
@@ -145,16 +143,6 @@ def charge_bad_signature(request: web.Request, signer: str) -> None:
     limits = request.app.get(LIMITS)
     if limits is not None and limits.per_bad_signature is not None:
         limits.per_bad_signature.take(signer)
-
-
-class BadSignaturesLimited(web.HTTPTooManyRequests):
-    """A signer whose BLS signatures keep failing: no more pairings for it for a while."""
-
-    def __init__(self, wait: float) -> None:
-        super().__init__(reason="Rate Limited",
-                         text="too many signatures from this key did not verify; retry in "
-                              f"{wait:.1f}s")
-        self.wait = wait
 
 
 @web.middleware
