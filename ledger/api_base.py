@@ -24,7 +24,13 @@ from veritrain.protocol.errors import EncodingError
 from .admission import RejectionBudget
 from .blobs import BlobStore, StagedBlob
 from .ingest import SubmissionBatcher
-from .ratelimit import charge_bad_signature, charge_replay, charge_signer, refuse_bad_signer
+from .ratelimit import (
+    KeyTurns,
+    charge_bad_signature,
+    charge_replay,
+    charge_signer,
+    refuse_bad_signer,
+)
 from .retention import RetentionPolicy
 from .store import LedgerStore
 from .uploads import (
@@ -121,6 +127,8 @@ class Ledger:
     #: BLS verifications run here, one at a time, off the writer (admission.py).
     verifier: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="ledger-verify"))
+    #: A key's BLS checks take turns (verify_bls), so its failures are charged in order.
+    pairing_turns: KeyTurns = field(default_factory=KeyTurns)
     #: Which refusals become rows (the rest are only counted).
     rejection_budget: RejectionBudget = field(init=False)
 
@@ -169,12 +177,16 @@ async def verify_bls(request: web.Request, signer: str, check: Callable[..., boo
     ``bad_signature`` tokens, and a key with none left is refused (429) before its
     pairing. An honest node's signatures verify, so it never spends one."""
     ledger = request.app[LEDGER]
-    refuse_bad_signer(request, signer)
-    pending = ledger.verify(check, *args)
-    ok = await (clock_of(request).paused(pending) if paused else pending)
-    if not ok:
-        charge_bad_signature(request, signer)
-    return ok
+
+    async def in_turn() -> bool:
+        async with ledger.pairing_turns.turn(signer):  # checked and charged in turn, per key
+            refuse_bad_signer(request, signer)
+            ok = await ledger.verify(check, *args)
+            if not ok:
+                charge_bad_signature(request, signer)
+            return ok
+
+    return await (clock_of(request).paused(in_turn()) if paused else in_turn())
 
 
 def replayed(request: web.Request, signer: str) -> None:

@@ -15,10 +15,12 @@ is bounded (least recently seen forgotten first).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -102,7 +104,8 @@ class KeyRateLimited(web.HTTPTooManyRequests):
     """Raised inside a handler when a verified signer is over one of its budgets."""
 
     def __init__(self, wait: float, what: str = "too many writes from this key") -> None:
-        super().__init__(reason="Rate Limited", text=f"{what}; retry in {wait:.1f}s")
+        when = "retry later" if math.isinf(wait) else f"retry in {wait:.1f}s"
+        super().__init__(reason="Rate Limited", text=f"{what}; {when}")
         self.wait = wait
 
 
@@ -136,6 +139,30 @@ def refuse_bad_signer(request: web.Request, signer: str) -> None:
     often than its budget allows (``charge_bad_signature``)."""
     _limit(request, "bad_signature", signer, spend=False,
            what="too many signatures from this key did not verify")
+
+
+class KeyTurns:
+    """One ``asyncio.Lock`` per key while a request of it holds or waits for its turn
+    (then forgotten): a key's pairings are checked, run and charged one at a time, so
+    concurrent forged requests cannot all pass the check before the first is charged."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+
+    @contextlib.asynccontextmanager
+    async def turn(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._held.setdefault(key, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._held[key]
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
 def charge_bad_signature(request: web.Request, signer: str) -> None:
